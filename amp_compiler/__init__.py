@@ -1,0 +1,20 @@
+"""amp-compiler: automatic mixed precision as a torch.compile backend.
+
+    torch.compile(model, backend="amp")                      # BF16 by default
+    torch.compile(model, backend="amp", options={"dtype": "fp16"})
+    amp_compiler.explain(model, x).format_table()            # what runs in what, and why
+"""
+
+from .backend import AmpBackend, CompileRecord, amp
+from .explain import explain
+from .options import AmpOptions, AmpOptionsError
+from .passes import AmpVerifyError
+from .plan import GraphPlan, NodePlan, PrecisionPlan
+from .policy import AmpPolicyError, Policy, Precision
+
+__all__ = [
+    "AmpBackend", "AmpOptions", "AmpOptionsError", "AmpPolicyError", "AmpVerifyError",
+    "CompileRecord", "GraphPlan", "NodePlan", "Policy", "Precision", "PrecisionPlan",
+    "amp", "explain",
+]
+__version__ = "0.1.0"

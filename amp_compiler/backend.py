@@ -1,0 +1,105 @@
+"""The ``amp`` torch.compile backend: capture, rewrite, hand over to a code generator."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
+
+from .capture import to_aten
+from .device import device_of, resolve_dtype
+from .options import AmpOptions
+from .plan import GraphPlan, PrecisionPlan
+from .policy import LOW_DTYPES
+
+log = logging.getLogger("amp_compiler")
+
+
+@dataclass
+class CompileRecord:
+    """What the backend did to one graph Dynamo handed it."""
+
+    index: int
+    dtype: str
+    dtype_reason: str
+    graph: torch.fx.GraphModule  # the rewritten ATen graph given to the inner compiler
+    plan: GraphPlan
+    passes: list[PassRecord] = field(default_factory=list)
+    options: AmpOptions | None = None
+
+
+class AmpBackend:
+    """A configured ``amp`` backend; pass it as ``torch.compile(m, backend=AmpBackend(...))``.
+
+    Keyword options are those of ``AmpOptions``. ``records`` holds one
+    ``CompileRecord`` per graph compiled (several after graph breaks or
+    recompiles); ``plan()`` merges their plans.
+    """
+
+    def __init__(self, options: AmpOptions | dict | None = None, **kwargs: Any):
+        if isinstance(options, AmpOptions):
+            self.options = options.replace(**kwargs) if kwargs else options
+        else:
+            self.options = AmpOptions.from_mapping(options, **kwargs)
+        self.records: list[CompileRecord] = []
+        self.pipeline = PIPELINE
+
+    def __repr__(self) -> str:
+        return f"AmpBackend(dtype={self.options.dtype!r}, graphs={len(self.records)})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 options: dict | None = None, mode: str | None = None) -> Callable:
+        opts = self.options.replace(**options) if options else self.options
+        rewritten = self.rewrite(gm, example_inputs, opts)
+        return _inner_compiler(opts.inner, mode)(rewritten, list(example_inputs))
+
+    def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                opts: AmpOptions | None = None) -> torch.fx.GraphModule:
+        """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
+        opts = opts or self.options
+        dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
+        aten_gm, fake_mode = to_aten(gm, example_inputs)
+        ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
+                          fake_mode=fake_mode, graph_index=len(self.records))
+        passes = run_pipeline(aten_gm, ctx, self.pipeline)
+        aten_gm.recompile()
+        plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
+        self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
+        s = plan.summary()
+        log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", ctx.graph_index,
+                 s["nodes"]["LOW"], sum(s["nodes"].values()), dtype, s["nodes"]["FP32"],
+                 s["casts"], reason)
+        return aten_gm
+
+    def plan(self) -> PrecisionPlan:
+        return PrecisionPlan([r.plan for r in self.records])
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
+    if callable(inner):
+        return inner
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        if mode and mode != "default":
+            from torch._inductor import list_mode_options
+
+            patches = list_mode_options(mode)
+            return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
+        return compile_fx
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(inner)
+
+
+# The instance ``torch.compile(m, backend="amp")`` resolves to through the
+# ``torch_dynamo_backends`` entry point. It records every graph compiled by name.
+amp = AmpBackend()

@@ -1,0 +1,37 @@
+"""``explain``: the precision plan of a model without running a code generator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .backend import AmpBackend
+from .plan import PrecisionPlan
+
+
+def _as_is(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    return gm.forward
+
+
+def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
+            options: dict | None = None, **kwargs: Any) -> PrecisionPlan:
+    """Trace ``model(*args, **kwargs)`` through the amp passes and return the plan.
+
+    The model is run once, without gradients, on the rewritten graphs (so graph
+    breaks are followed); its buffers (BatchNorm running stats) are restored
+    afterwards, so explaining changes nothing.
+    """
+    backend = AmpBackend(options, dtype=dtype, inner=_as_is)
+    buffers = []
+    if isinstance(model, torch.nn.Module):
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    compiled = torch.compile(model, backend=backend)
+    try:
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+    return backend.plan()

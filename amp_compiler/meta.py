@@ -1,0 +1,50 @@
+"""The one metadata key every pass reads and writes: ``node.meta["amp"]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .policy import Precision
+
+META_KEY = "amp"
+
+
+@dataclass
+class NodeInfo:
+    """The decision for one node and why.
+
+    orig: output dtype(s) before the rewrite (a dtype, a tuple for multi-output
+        nodes, or None for non-tensors); planned: the same after it.
+    compute: the dtype every floating input must arrive in (None: no
+        requirement, as for PASSTHROUGH).
+    casts: names of the casts inserted in front of this node.
+    """
+
+    precision: Precision
+    reason: str
+    op: str = ""
+    module: str = ""
+    orig: object = None
+    planned: object = None
+    compute: torch.dtype | None = None
+    region: int = 0
+    inserted: bool = False
+    unknown: bool = False
+    user_cast: bool = False
+    casts: list[str] = field(default_factory=list)
+
+
+def info(node: torch.fx.Node) -> NodeInfo | None:
+    return node.meta.get(META_KEY)
+
+
+def dtype_name(dtype: object) -> str:
+    if isinstance(dtype, torch.dtype):
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            dtype, str(dtype).removeprefix("torch.")
+        )
+    if isinstance(dtype, (tuple, list)):
+        return "(" + ", ".join(dtype_name(d) for d in dtype) + ")"
+    return "-"

@@ -1,0 +1,144 @@
+"""Backend options: one dataclass, validated once, shared by torch.compile and the API."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .policy import Policy
+
+DTYPES = ("bf16", "fp16", "auto")
+INNER_NAMES = ("inductor", "aot_eager", "eager")
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
+    "auto": "auto",
+}
+
+
+class AmpOptionsError(ValueError):
+    """A bad option name or value; the message lists what is valid."""
+
+
+@dataclass(frozen=True)
+class AmpOptions:
+    """Everything the backend can be told.
+
+    dtype: "bf16" (default), "fp16", or "auto" (BF16 where the device supports
+        it, else FP16; the choice and reason are recorded).
+    inner: code generator that receives the rewritten graph: "inductor",
+        "aot_eager", "eager", or a callable ``(gm, example_inputs) -> callable``.
+    low_ops / fp32_ops / promote_ops / passthrough_ops: ATen ops forced into that
+        table ("aten.mm" or torch.ops.aten.mm); remove_ops: ops taken out of
+        every table (they become unknown).
+    fp32_modules: regexes; a node whose module path (e.g. "lm_head",
+        "model.layers.0.mlp") matches one runs in FP32.
+    strict: unknown ops raise instead of running in FP32.
+    low_precision_outputs: return outputs in the low dtype instead of the
+        dtype the FP32 model returns.
+    dump_dir: write the graph after every pass to this directory.
+    """
+
+    dtype: str = "bf16"
+    inner: str | Callable = "inductor"
+    low_ops: tuple = ()
+    fp32_ops: tuple = ()
+    promote_ops: tuple = ()
+    passthrough_ops: tuple = ()
+    remove_ops: tuple = ()
+    fp32_modules: tuple[str, ...] = ()
+    strict: bool = False
+    low_precision_outputs: bool = False
+    dump_dir: str | None = None
+    policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPE_ALIASES.get(self.dtype) if _hashable(self.dtype) else None
+        if dtype is None:
+            raise AmpOptionsError(f"dtype={self.dtype!r} is not valid; use one of {DTYPES}")
+        object.__setattr__(self, "dtype", dtype)
+        if isinstance(self.inner, str):
+            if self.inner not in INNER_NAMES:
+                from torch._dynamo import list_backends
+
+                if self.inner not in list_backends(exclude_tags=()):
+                    raise AmpOptionsError(
+                        f"inner={self.inner!r} is not a torch.compile backend; use one of "
+                        f"{INNER_NAMES}, another registered backend name, or a callable "
+                        "(gm, example_inputs) -> callable"
+                    )
+        elif not callable(self.inner):
+            raise AmpOptionsError(
+                f"inner={self.inner!r} must be a backend name {INNER_NAMES} or a callable"
+            )
+        for name in ("low_ops", "fp32_ops", "promote_ops", "passthrough_ops", "remove_ops",
+                     "fp32_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not _iterable(value):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value))
+        for pattern in self.fp32_modules:
+            if not isinstance(pattern, str):
+                raise AmpOptionsError(f"fp32_modules entries are regex strings, got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise AmpOptionsError(f"fp32_modules pattern {pattern!r} is not a regex: {e}") from None
+        for name in ("strict", "low_precision_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise AmpOptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            object.__setattr__(self, "dump_dir", str(self.dump_dir))
+        try:  # fail now, not at the first compile
+            self.policy(torch.bfloat16)
+            self.policy(torch.float16)
+        except (ValueError, TypeError) as e:
+            raise AmpOptionsError(str(e)) from None
+
+    def policy(self, low_dtype: torch.dtype) -> Policy:
+        if low_dtype not in self.policy_cache:
+            self.policy_cache[low_dtype] = Policy.build(
+                low_dtype, low_ops=self.low_ops, fp32_ops=self.fp32_ops,
+                promote_ops=self.promote_ops, passthrough_ops=self.passthrough_ops,
+                remove_ops=self.remove_ops,
+            )
+        return self.policy_cache[low_dtype]
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "policy_cache"]
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None = None, **kwargs: Any) -> AmpOptions:
+        """Build from torch.compile's ``options={...}`` (and/or keywords)."""
+        merged = {**(options or {}), **kwargs}
+        unknown = sorted(set(merged) - set(cls.names()))
+        if unknown:
+            raise AmpOptionsError(
+                f"unknown option(s) {unknown}; valid options are {cls.names()}"
+            )
+        return cls(**merged)
+
+    def replace(self, **changes: Any) -> AmpOptions:
+        return self.from_mapping({n: getattr(self, n) for n in self.names()}, **changes)
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

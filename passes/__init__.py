@@ -1,0 +1,20 @@
+"""The graph passes, in the order that is the spec.
+
+Each pass takes a GraphModule and a PassContext and returns a PassResult; the
+pipeline is the list below, run by ``run_pipeline``.
+"""
+
+from __future__ import annotations
+
+from .fold_casts import fold_casts
+from .infra import PassContext, PassRecord, PassResult, run_pipeline
+from .insert_casts import insert_casts
+from .tag import tag_precision
+from .verify import AmpVerifyError, verify_plan
+
+PIPELINE = (tag_precision, insert_casts, fold_casts, verify_plan)
+
+__all__ = [
+    "PIPELINE", "AmpVerifyError", "PassContext", "PassRecord", "PassResult",
+    "fold_casts", "insert_casts", "run_pipeline", "tag_precision", "verify_plan",
+]

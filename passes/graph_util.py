@@ -1,0 +1,157 @@
+"""Small graph queries the passes share: dtypes, mutations, regions, casts."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+
+from amp_compiler.meta import META_KEY, NodeInfo
+
+# The dtypes mixed precision moves between. float64, integers, bool and complex
+# are never touched.
+AMP_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2}
+
+CAST_OP = torch.ops.aten._to_copy.default
+USER_CAST_OPS = {
+    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other,
+    torch.ops.aten.to.device,
+    torch.ops.aten._to_copy.default, torch.ops.aten.type_as.default,
+    torch.ops.prims.convert_element_type.default,
+}
+_REGION_FNS = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled"}
+
+
+def val_dtype(value: object) -> object:
+    """dtype of a meta value: a dtype, a tuple of them, or None."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list)):
+        return tuple(val_dtype(v) for v in value)
+    return None
+
+
+def node_dtype(node: object) -> object:
+    if isinstance(node, torch.fx.Node):
+        return val_dtype(node.meta.get("val"))
+    return None
+
+
+def is_tensor_node(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Distinct input nodes that hold a single tensor, in argument order."""
+    return [n for n in node.all_input_nodes if is_tensor_node(n)]
+
+
+def mutated_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """Inputs the op writes to (``Tensor(a!)`` in its schema): never cast these."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return set()
+    out = set()
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.add(value)
+            elif isinstance(value, (list, tuple)):
+                out.update(v for v in value if isinstance(v, torch.fx.Node))
+    return out
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """The op returns an alias of an input without writing to it."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in target._schema.returns)
+
+
+def volatile_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Values that are, or alias, a tensor written in place somewhere in the graph.
+
+    A cast of such a value goes stale when the value is written, so it is never
+    shared between consumers.
+    """
+    roots = {}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:
+        return roots.get(n, n)
+
+    for node in graph.nodes:
+        if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+            roots[node] = root(node.args[0])
+        elif node.op == "call_function" and mutated_inputs(node):
+            roots[node] = root(next(iter(mutated_inputs(node))))
+    written = {root(m) for n in graph.nodes if n.op == "call_function" for m in mutated_inputs(n)}
+    return {n for n in graph.nodes if root(n) in written}
+
+
+def region_name(node: torch.fx.Node) -> str | None:
+    """'_enter_autocast' etc. when the node switches grad or autocast mode."""
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name in _REGION_FNS:
+            return name
+    return None
+
+
+def explicit_dtype(node: torch.fx.Node) -> object:
+    """The value of the op's ``dtype`` argument, or None when not given."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dtype":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dtype")
+            return value if isinstance(value, torch.dtype) else None
+    return None
+
+
+def widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    """fp32 beats the 16-bit types; between bf16 and fp16 torch promotes to fp32."""
+    floats = {d for d in dtypes if d in AMP_FLOATS}
+    if not floats:
+        return None
+    if len(floats) == 1:
+        return floats.pop()
+    return torch.float32
+
+
+def is_inserted_cast(node: torch.fx.Node) -> bool:
+    info = node.meta.get(META_KEY)
+    return isinstance(info, NodeInfo) and info.inserted
+
+
+def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
+    """Recompute meta['val'] downstream of inserted casts (their dtypes change).
+
+    Only nodes whose inputs changed are re-run, under the graph's fake mode;
+    the rest (``.item()`` on a lifted scalar, size queries) keep Dynamo's values.
+    """
+    changed: set[torch.fx.Node] = set()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            new = node.target(*args, **kwargs)
+            if val_dtype(new) != val_dtype(node.meta.get("val")) or node in changed or \
+                    any(i in changed for i in node.all_input_nodes):
+                changed.add(node)
+            node.meta["val"] = new

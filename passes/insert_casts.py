@@ -1,0 +1,94 @@
+"""Insert casts: give every tagged node its inputs in the dtype it computes in.
+
+Rule: a LOW, FP32 or PROMOTE node's floating inputs must arrive in its compute
+dtype. A value is cast at most once per target dtype per region (a stretch of
+the graph with one grad/autocast mode), so each weight is cast once per step
+however many ops read it; the cast sits just before its first reader. Values
+written in place are the exception: their cast would go stale, so each reader
+gets a fresh one. Inputs an op writes to are never cast. Graph outputs go back
+to the dtype the FP32 model returns unless ``low_precision_outputs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
+from amp_compiler.policy import Precision
+
+from .graph_util import AMP_FLOATS, CAST_OP, mutated_inputs, refresh_vals, tensor_inputs, volatile_values
+from .infra import PassContext, PassResult
+
+
+def _make_cast(graph, src, dtype, before, region, reason, low):
+    with graph.inserting_before(before):
+        cast = graph.create_node("call_function", CAST_OP, (src,), {"dtype": dtype},
+                                 name=f"{src.name}_to_{dtype_name(dtype)}")
+    src_info = info(src)
+    cast.meta["val"] = src.meta["val"]  # refreshed below, before anyone reads it
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in before.meta:
+            cast.meta[key] = before.meta[key]
+    cast.meta[META_KEY] = NodeInfo(
+        Precision.LOW if dtype == low else Precision.FP32, reason, op=str(CAST_OP),
+        module=info(before).module if info(before) else "",
+        orig=src_info.orig if src_info else None, planned=dtype, region=region,
+        inserted=True,
+    )
+    return cast
+
+
+def insert_casts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Insert the casts the tags ask for; refresh meta['val'] afterwards."""
+    graph = gm.graph
+    volatile = volatile_values(graph)
+    cache: dict[tuple, torch.fx.Node] = {}
+    added = 0
+
+    def cast_for(src, dtype, consumer, region, why):
+        nonlocal added
+        key = (src, dtype, region)
+        if src not in volatile and key in cache:
+            return cache[key]
+        cast = _make_cast(graph, src, dtype, consumer, region, why, ctx.low_dtype)
+        added += 1
+        if src not in volatile:
+            cache[key] = cast
+        return cast
+
+    for node in list(graph.nodes):
+        node_info = info(node)
+        if node_info is None or node_info.inserted:
+            continue
+        if node.op == "output":
+            if not ctx.options.low_precision_outputs:
+                _restore_outputs(node, cast_for)
+            continue
+        if node_info.compute is None:
+            continue
+        written = mutated_inputs(node)
+        for src in tensor_inputs(node):
+            have = info(src).planned if info(src) else src.meta["val"].dtype
+            if src in written or have not in AMP_FLOATS or have == node_info.compute:
+                continue
+            why = f"{src.name} {dtype_name(have)} -> {dtype_name(node_info.compute)} for {node.name} ({node_info.precision})"
+            cast = cast_for(src, node_info.compute, node, node_info.region, why)
+            node.replace_input_with(src, cast)
+            node_info.casts.append(cast.name)
+    if added:
+        refresh_vals(gm, ctx.fake_mode)
+        graph.lint()
+    return PassResult(added > 0, {"casts_inserted": added})
+
+
+def _restore_outputs(output: torch.fx.Node, cast_for) -> None:
+    out_info = info(output)
+    for src in output.all_input_nodes:
+        src_info = info(src)
+        if src_info is None or not isinstance(src.meta.get("val"), torch.Tensor):
+            continue
+        if src_info.orig in AMP_FLOATS and src_info.planned != src_info.orig:
+            why = f"{src.name} {dtype_name(src_info.planned)} -> {dtype_name(src_info.orig)}: outputs keep the FP32 model's dtype"
+            cast = cast_for(src, src_info.orig, output, src_info.region, why)
+            output.replace_input_with(src, cast)
+            out_info.casts.append(cast.name)

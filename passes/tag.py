@@ -1,0 +1,238 @@
+"""Tag: decide every node's precision, with a reason, before touching the graph.
+
+Rule: walk the graph in order. Each ATen op gets its table's decision (LOW,
+FP32, PROMOTE, PASSTHROUGH), unless a pin says FP32: a
+``torch.autocast(enabled=False)`` region or a module matching ``fp32_modules``.
+Only ops with an FP32/BF16/FP16 tensor input are candidates; integer, bool,
+complex and float64 work is left alone. The planned output dtype of each node
+is derived from its inputs' planned dtypes, so insert_casts knows exactly
+which inputs need a cast. Writes ``node.meta["amp"]`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections import Counter
+
+import torch
+
+from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
+from amp_compiler.policy import AmpPolicyError, Precision, why
+
+from .graph_util import (
+    AMP_FLOATS, USER_CAST_OPS, explicit_dtype, is_view, mutated_inputs, node_dtype,
+    region_name, tensor_inputs, widest,
+)
+from .infra import PassContext, PassResult
+
+log = logging.getLogger(__name__)
+_MODULE_KEY = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]\.?")
+
+
+def module_path(node: torch.fx.Node) -> list[str]:
+    """Dotted module paths of the node's nn_module_stack, outermost first.
+
+    Dynamo spells them as sources ("L['self'].layers[0]._modules['attn']");
+    users write "layers.0.attn".
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for value in stack.values():
+        src = value[0] if isinstance(value, tuple) else str(value)
+        src = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", src)
+        src = _MODULE_KEY.sub("", src)
+        src = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", src)
+        src = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", src)
+        src = src.strip(".")
+        if src and src not in paths:
+            paths.append(src)
+    return paths
+
+
+def _promoted(inputs: list[torch.fx.Node]) -> torch.dtype | None:
+    """Widest planned float dtype, ignoring 0-dim tensors as torch promotion does."""
+    def planned(n):
+        i = info(n)
+        return i.planned if i is not None else node_dtype(n)
+
+    dims = [planned(n) for n in inputs if n.meta["val"].dim() > 0]
+    return widest(dims) or widest([planned(n) for n in inputs])
+
+
+class _Tagger:
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
+        self.ctx = ctx
+        self.low = ctx.low_dtype
+        self.patterns = [(p, re.compile(p)) for p in ctx.options.fp32_modules]
+        self.region = 0
+        self.autocast_off: list[bool] = []
+        self.unknown: Counter = Counter()
+
+    def planned(self, node: object) -> object:
+        i = info(node) if isinstance(node, torch.fx.Node) else None
+        return i.planned if i is not None else node_dtype(node)
+
+    def orig(self, node: torch.fx.Node) -> object:
+        i = info(node)
+        return i.orig if i is not None else node_dtype(node)
+
+    def pin(self, modules: list[str]) -> str | None:
+        if any(self.autocast_off):
+            return "pinned FP32: inside torch.autocast(enabled=False)"
+        for text, pattern in self.patterns:
+            for path in modules:
+                if pattern.search(path):
+                    return f"pinned FP32: module '{path}' matches fp32_modules {text!r}"
+        return None
+
+    def visit(self, node: torch.fx.Node) -> NodeInfo:
+        name = region_name(node)
+        if name:
+            self.region += 1
+            if name == "_enter_autocast":
+                enabled = node.args[2] if len(node.args) > 2 else node.kwargs.get("enabled", True)
+                self.autocast_off.append(not enabled)
+            elif name == "_exit_autocast" and self.autocast_off:
+                self.autocast_off.pop()
+        modules = module_path(node)
+        base = dict(op=_op_name(node), module=modules[-1] if modules else "",
+                    orig=self.orig(node), region=self.region)
+        precision, reason, compute = self.decide(node, modules)
+        planned = self.plan(node, precision, compute, base["orig"])
+        return NodeInfo(precision, reason, compute=compute, planned=planned, **base)
+
+    def decide(self, node, modules):
+        if node.op == "placeholder":
+            kind = "parameter (FP32 master copy)" if "parameters" in node.name else "graph input"
+            return Precision.PASSTHROUGH, f"{kind}: keeps its dtype", None
+        if node.op == "output":
+            return Precision.PASSTHROUGH, "graph output: returned in the FP32 model's dtype", None
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            if node.target is operator.getitem:
+                return Precision.PASSTHROUGH, "element of a multi-output op", None
+            return Precision.PASSTHROUGH, "not a tensor op", None
+
+        inputs = tensor_inputs(node)
+        orig_in = [self.orig(n) for n in inputs]
+        if any(d in (torch.float64, torch.complex64, torch.complex128) for d in orig_in):
+            return Precision.PASSTHROUGH, "float64/complex input: left untouched", None
+        if node.target in USER_CAST_OPS:
+            return self.user_cast(node, inputs)
+        if torch.float32 not in orig_in:
+            if any(d in AMP_FLOATS for d in orig_in):
+                return Precision.PASSTHROUGH, "input already 16-bit by the model's own cast: left as written", None
+            return Precision.PASSTHROUGH, "no floating-point tensor input: untouched", None
+
+        packet = node.target.overloadpacket
+        table = self.ctx.policy.decide(packet)
+        if table is None:
+            if self.ctx.options.strict:
+                raise AmpPolicyError(
+                    f"unknown op {_op_name(node)} at node '{node.name}'"
+                    f"{' in module ' + repr(modules[-1]) if modules else ''} (strict mode); "
+                    "classify it with one of the options low_ops, fp32_ops, promote_ops, "
+                    "passthrough_ops, or set strict=False to run it in FP32"
+                )
+            self.unknown[_op_name(node)] += 1
+            table, reason = Precision.FP32, "unknown op: FP32 by default (classify it with the *_ops options)"
+        else:
+            reason = why(packet, table, self.ctx.policy)
+
+        pin = self.pin(modules)
+        if pin and table is not Precision.PASSTHROUGH:
+            table, reason = Precision.FP32, pin
+
+        written = mutated_inputs(node)
+        if written and any(r.alias_info is not None and r.alias_info.is_write
+                           for r in node.target._schema.returns):
+            target = self.planned(next(iter(written)))
+            wanted = {Precision.LOW: self.low, Precision.FP32: torch.float32}.get(table, target)
+            if wanted != target:
+                return (Precision.PASSTHROUGH,
+                        f"in-place op writes a {dtype_name(target)} tensor: runs in its dtype "
+                        f"(policy says {table}; write it out of place to change that)", None)
+            if table is Precision.PASSTHROUGH:
+                return table, f"in-place: runs in the dtype of the tensor it writes ({dtype_name(target)})", None
+            return table, f"{reason}; in-place, writes a {dtype_name(target)} tensor", target
+
+        if table is Precision.LOW:
+            return table, f"{reason} ({dtype_name(self.low)})", self.low
+        if table is Precision.FP32:
+            return table, reason, torch.float32
+        if table is Precision.PROMOTE:
+            compute = _promoted(inputs)
+            return table, f"{reason} ({dtype_name(compute)})", compute
+        return table, reason, None
+
+    def user_cast(self, node, inputs):
+        self.ctx.user_casts.add(node.name)
+        if node.target is torch.ops.aten.to.device:
+            return Precision.PASSTHROUGH, "device move: keeps the dtype that arrives", None
+        target = explicit_dtype(node)
+        if target == torch.float32:
+            return Precision.FP32, "explicit user cast to fp32: pinned, kept as written", None
+        return Precision.PASSTHROUGH, f"explicit user cast to {dtype_name(target)}: kept as written", None
+
+    def plan(self, node, precision, compute, orig):
+        if node.op in ("placeholder", "get_attr", "output"):
+            return orig
+        if node.target is operator.getitem:
+            src = self.planned(node.args[0])
+            return src[node.args[1]] if isinstance(src, tuple) else src
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return orig
+        inputs = tensor_inputs(node)
+        if node.target in (torch.ops.aten.type_as.default, torch.ops.aten.to.other):
+            follow = self.planned(node.args[1])
+        elif node.target is torch.ops.aten.to.device or (
+            node.target in USER_CAST_OPS and explicit_dtype(node) is None
+        ):
+            follow = self.planned(node.args[0])
+        elif explicit_dtype(node) is not None:
+            return orig
+        elif precision is Precision.LOW:
+            follow = self.low
+        elif compute is not None:
+            follow = compute
+        else:
+            follow = _promoted(inputs) if inputs else None
+        if follow is None:
+            return orig
+
+        def one(d):
+            return follow if d == torch.float32 else d
+
+        return tuple(one(d) for d in orig) if isinstance(orig, tuple) else one(orig)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if node.op == "call_function":
+        return getattr(target, "__name__", str(target))
+    return node.op
+
+
+def tag_precision(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Give every node a precision and a reason under ``node.meta["amp"]``."""
+    tagger = _Tagger(gm, ctx)
+    modified = False
+    for node in gm.graph.nodes:
+        old = info(node)
+        if old is not None and old.inserted:
+            continue
+        new = tagger.visit(node)
+        if old is not None:
+            new.casts = old.casts
+        if old != new:
+            modified = True
+        node.meta[META_KEY] = new
+    if tagger.unknown:
+        log.warning("graph %d: %d unknown op(s) run in FP32: %s", ctx.graph_index,
+                    sum(tagger.unknown.values()), dict(tagger.unknown))
+    counts = Counter(info(n).precision.value for n in gm.graph.nodes
+                     if n.op == "call_function" and not info(n).inserted)
+    return PassResult(modified, {"precision": dict(counts), "unknown": dict(tagger.unknown)})

@@ -1,0 +1,238 @@
+"""Tiny graphs through the passes: exact casts, the pass contract, invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from amp_compiler import AmpBackend, AmpPolicyError, AmpVerifyError, Precision
+from amp_compiler.meta import info
+from amp_compiler.passes import PIPELINE, PassContext, run_pipeline, verify_plan
+from amp_compiler.passes.graph_util import CAST_OP, is_inserted_cast
+
+aten = torch.ops.aten
+
+
+def rewrite(fn, *inputs, **options):
+    """Run ``fn`` through the amp pipeline; returns (graph module, backend)."""
+    backend = AmpBackend(inner="eager", **options)
+    gm = backend.rewrite(torch.fx.symbolic_trace(fn), list(inputs))
+    return gm, backend
+
+
+def casts(gm):
+    return [n for n in gm.graph.nodes if is_inserted_cast(n)]
+
+
+def cast_pairs(gm):
+    """(source name, target dtype) of every inserted cast, in graph order."""
+    return [(n.args[0].name, n.kwargs["dtype"]) for n in casts(gm)]
+
+
+def nodes_of(gm, packet):
+    return [n for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is packet]
+
+
+def out_dtypes(gm):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a.meta["val"].dtype for a in out.all_input_nodes]
+
+
+x = torch.randn(4, 8)
+w = torch.randn(8, 8)
+bf16, fp32 = torch.bfloat16, torch.float32
+
+
+def test_tag_matmul_low_softmax_fp32_three_casts():
+    """matmul gets bf16 inputs (2 casts), softmax gets its input back in fp32 (1 cast)."""
+    gm, _ = rewrite(lambda x, w: torch.softmax(x @ w, -1), x, w)
+    mm, = nodes_of(gm, aten.matmul)
+    sm, = nodes_of(gm, aten.softmax)
+    assert info(mm).precision is Precision.LOW and info(sm).precision is Precision.FP32
+    assert [a.meta["val"].dtype for a in mm.all_input_nodes] == [bf16, bf16]
+    assert sm.args[0].meta["val"].dtype == fp32
+    assert len(casts(gm)) == 3
+    assert out_dtypes(gm) == [fp32]
+
+
+def test_insert_casts_weight_cast_once_for_two_readers():
+    """A weight read by two matmuls is cast once; the bf16 sum goes back to fp32 at the output."""
+    gm, _ = rewrite(lambda x, y, w: (x @ w) + (y @ w), x, x.clone(), w)
+    sources = [s for s, _ in cast_pairs(gm)]
+    assert sorted(sources[:3]) == ["arg0_1", "arg1_1", "arg2_1"]  # the weight once
+    assert len(casts(gm)) == 4  # x, y, w -> bf16; result -> fp32
+    assert out_dtypes(gm) == [fp32]
+
+
+def test_insert_casts_activation_between_matmuls_stays_low():
+    """Linear -> GELU -> Linear costs no cast around the GELU."""
+    gm, _ = rewrite(lambda x, w1, w2: F.gelu(x @ w1) @ w2, x, w, w)
+    gelu, = nodes_of(gm, aten.gelu)
+    assert info(gelu).precision is Precision.PASSTHROUGH
+    assert gelu.meta["val"].dtype == bf16 and not info(gelu).casts
+    assert len(casts(gm)) == 3  # x, w -> bf16 (w shared), result -> fp32
+
+
+def test_insert_casts_residual_add_promotes_to_fp32():
+    """x + f(x): the residual stream stays fp32, the branch is cast up once."""
+    gm, _ = rewrite(lambda x, w: x + x @ w, x, w)
+    add, = nodes_of(gm, aten.add)
+    assert info(add).precision is Precision.PROMOTE and add.meta["val"].dtype == fp32
+    assert len(casts(gm)) == 3 and out_dtypes(gm) == [fp32]
+
+
+def test_user_cast_survives_and_is_pinned():
+    """A user's .float() is kept as written (and makes the sum need no extra cast)."""
+    gm, _ = rewrite(lambda x, w: (x @ w).float().sum(), x, w)
+    user = [n for n in gm.graph.nodes if n.target is aten.to.dtype]
+    assert len(user) == 1 and not is_inserted_cast(user[0])
+    assert info(user[0]).precision is Precision.FP32 and "user cast" in info(user[0]).reason
+    assert len(casts(gm)) == 2
+
+
+def test_integer_and_float64_untouched():
+    """float64 matmuls and integer ops get no casts."""
+    x64, w64 = x.double(), w.double()
+    gm, _ = rewrite(lambda a, b, i: ((a @ b).sum(), (i * 2).sum()), x64, w64,
+                    torch.arange(4))
+    assert casts(gm) == []
+    mm, = nodes_of(gm, aten.matmul)
+    assert "float64" in info(mm).reason
+    assert out_dtypes(gm) == [torch.float64, torch.int64]
+
+
+def test_inplace_write_gets_fresh_casts_per_reader():
+    """A view whose base is written in place between two reads is cast afresh for each."""
+    def f(x, w):
+        v = x.view(4, 8)
+        a = v @ w
+        x.add_(1)
+        return a, v @ w
+
+    gm, _ = rewrite(f, x.clone(), w)
+    view, = nodes_of(gm, aten.view)
+    sources = [s for s, d in cast_pairs(gm) if d == bf16]
+    assert sources.count(view.name) == 2
+    assert len(sources) == 3  # the view twice, w once
+    xa, xr = x.clone(), x.clone()
+    a, b = gm(xa, w)
+    ra = xr @ w
+    xr.add_(1)
+    torch.testing.assert_close(a, ra, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(b, xr @ w, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(xa, xr)
+
+
+def test_inplace_on_low_value_runs_in_its_dtype():
+    """h.mul_(2) on a bf16 matmul result runs in bf16; softmax then gets a fresh fp32 cast."""
+    def f(x, w):
+        h = x @ w
+        h.mul_(2)
+        return torch.softmax(h, -1)
+
+    gm, _ = rewrite(f, x, w)
+    mul, = nodes_of(gm, aten.mul_)
+    assert mul.meta["val"].dtype == bf16 and "in-place" in info(mul).reason
+    assert len(casts(gm)) == 3
+
+
+def test_pipeline_is_idempotent_and_lints():
+    """A second run of the whole pipeline changes nothing."""
+    gm, backend = rewrite(lambda x, w: torch.softmax(x @ w, -1) + x, x, w)
+    code = gm.code
+    rec = backend.records[0]
+    ctx = PassContext(policy=rec.options.policy(bf16), options=rec.options, fake_mode=None)
+    again = run_pipeline(gm, ctx, PIPELINE)
+    assert [r.modified for r in again] == [False] * len(PIPELINE)
+    assert gm.code == code
+    gm.graph.lint()
+
+
+def test_pass_records_say_what_changed():
+    """The runner records per pass its name, nodes added and modified flag."""
+    _, backend = rewrite(lambda x, w: torch.softmax(x @ w, -1), x, w)
+    recs = {r.name: r for r in backend.records[0].passes}
+    assert list(recs) == [p.__name__ for p in PIPELINE]
+    assert recs["insert_casts"].nodes_added == 3 and recs["insert_casts"].modified
+    assert not recs["verify_plan"].modified
+
+
+def test_fold_drops_own_noop_cast_keeps_user_cast():
+    """fold removes an inserted cast that changes nothing, never a user's cast."""
+    from amp_compiler.passes import fold_casts
+
+    gm, backend = rewrite(lambda x, w: (x @ w).float().softmax(-1), x, w)
+    user = next(n for n in gm.graph.nodes if n.target is aten.to.dtype)
+    with gm.graph.inserting_after(user):
+        extra = gm.graph.call_function(CAST_OP, (user,), {"dtype": fp32})
+    extra.meta.update(val=user.meta["val"], amp=type(info(user))(
+        Precision.FP32, "test", inserted=True, planned=fp32, orig=fp32))
+    sm = next(iter(user.users.keys() - {extra}))
+    sm.replace_input_with(user, extra)
+    ctx = PassContext(policy=backend.records[0].options.policy(bf16),
+                      options=backend.records[0].options)
+    result = fold_casts(gm, ctx)
+    assert result.modified and result.detail == {"noop": 1}
+    assert extra not in gm.graph.nodes and user in gm.graph.nodes
+
+
+def test_verify_names_the_node_that_breaks_an_invariant():
+    """Feeding an fp32 value straight into a LOW matmul fails verification, naming it."""
+    gm, backend = rewrite(lambda x, w: x @ w, x, w)
+    mm, = nodes_of(gm, aten.matmul)
+    cast = mm.args[0]
+    mm.replace_input_with(cast, cast.args[0])
+    ctx = PassContext(policy=backend.records[0].options.policy(bf16),
+                      options=backend.records[0].options)
+    with pytest.raises(AmpVerifyError, match=r"node 'matmul'.*arrives as fp32.*LOW"):
+        verify_plan(gm, ctx)
+
+
+def test_unknown_op_fp32_and_reported():
+    """Ops in no table run in FP32 and are counted once per graph."""
+    gm, backend = rewrite(lambda x, w: torch.erfc(x @ w), x, w)
+    erfc, = nodes_of(gm, aten.erfc)
+    assert info(erfc).precision is Precision.FP32 and "unknown" in info(erfc).reason
+    assert backend.plan().summary()["unknown_ops"] == {"aten.erfc.default": 1}
+
+
+def test_strict_unknown_op_raises_naming_it():
+    with pytest.raises(AmpPolicyError, match=r"unknown op aten.erfc.default.*low_ops"):
+        rewrite(lambda x, w: torch.erfc(x @ w), x, w, strict=True)
+
+
+def test_banned_bce_raises_with_advice():
+    with pytest.raises(AmpPolicyError, match="binary_cross_entropy_with_logits"):
+        rewrite(lambda x, w: F.binary_cross_entropy(torch.sigmoid(x @ w), torch.rand(4, 8)), x, w)
+
+
+def test_low_precision_outputs_option():
+    """With low_precision_outputs the matmul result is returned in bf16, no cast back."""
+    gm, _ = rewrite(lambda x, w: x @ w, x, w, low_precision_outputs=True)
+    assert out_dtypes(gm) == [bf16] and len(casts(gm)) == 2
+
+
+def test_fp16_plan_uses_fp16_and_moves_div_to_fp32():
+    """FP16 casts to float16; division (overflow-prone) runs in FP32 under FP16 only."""
+    f = lambda x, w: (x @ w) / 3.0  # noqa: E731
+    gm16, _ = rewrite(f, x, w, dtype="fp16")
+    div, = nodes_of(gm16, aten.div)
+    assert info(div).precision is Precision.FP32
+    assert {d for _, d in cast_pairs(gm16)} == {torch.float16, fp32}
+    gm_bf, _ = rewrite(f, x, w)
+    div, = nodes_of(gm_bf, aten.div)
+    assert info(div).precision is Precision.PROMOTE and div.meta["val"].dtype == bf16
+
+
+def test_override_pins_matmul_to_fp32():
+    gm, _ = rewrite(lambda x, w: x @ w, x, w, fp32_ops=["aten.matmul"])
+    assert casts(gm) == []
+    mm, = nodes_of(gm, aten.matmul)
+    assert info(mm).reason == "user override: in fp32_ops"
+
+
+def test_every_node_has_decision_and_reason():
+    gm, _ = rewrite(lambda x, w: F.layer_norm(x + torch.relu(x @ w), (8,)).sum(), x, w)
+    for node in gm.graph.nodes:
+        assert info(node) is not None and info(node).reason, node.name
