@@ -94,10 +94,11 @@ class GraphPlan:
 
 def _nbytes(node: torch.fx.Node) -> int | None:
     val = node.meta.get("val")
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, AttributeError):  # symbolic sizes
+    if not isinstance(val, torch.Tensor):
         return None
+    numel = val.numel()
+    # int() on a SymInt would specialise it and make Dynamo guard on the size
+    return numel * val.element_size() if isinstance(numel, int) else None
 
 
 def _summary(graphs: list[GraphPlan]) -> dict:

@@ -1,0 +1,367 @@
+"""End to end through torch.compile(backend="amp"): ops executed, numbers, semantics."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_compiler
+from amp_compiler import AmpBackend, AmpOptionsError, Precision
+
+from conftest import MLP, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
+
+aten = torch.ops.aten
+LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
+            aten._scaled_dot_product_flash_attention_for_cpu)
+FP32_EXEC = (aten._softmax, aten._log_softmax, aten.native_layer_norm,
+             aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+             aten.native_batch_norm, aten.nll_loss_forward, aten.mean, aten.exp, aten.pow,
+             aten.rsqrt, aten._softmax_backward_data, aten._log_softmax_backward_data,
+             aten.native_layer_norm_backward)
+
+
+def train_step(model, inputs, backend, dynamic=None):
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    loss = compiled(*inputs)
+    loss.backward()
+    return loss
+
+
+def assert_executed_dtypes(rec: OpRecorder, low=torch.bfloat16):
+    low_calls = rec.dtypes_of(*LOW_EXEC)
+    assert low_calls, "no matmul/conv/attention executed"
+    for dtypes in low_calls:
+        assert dtypes[:2] == [low, low], dtypes
+    fp32_calls = rec.dtypes_of(*FP32_EXEC)
+    assert fp32_calls
+    for dtypes in fp32_calls:
+        assert all(d == torch.float32 for d in dtypes), dtypes
+
+
+def check_against_fp32(model, inputs, low="bf16", loss_tol=0.02, cos_min=0.99):
+    """One training step: amp vs FP32 eager. Returns the recorder and backend."""
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    rec = OpRecorder()
+    graphs = []
+    backend = AmpBackend(dtype=low, inner=recording_backend(rec, graphs))
+    loss = train_step(model, inputs, backend)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref_loss.item()) <= loss_tol * abs(ref_loss.item())
+    g = grads(model)
+    assert g.dtype == torch.float32 and torch.isfinite(g).all()
+    assert cosine(g, grads(ref)) >= cos_min
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    assert graphs and any(n.meta["amp"].inserted for gm in graphs for n in gm.graph.nodes
+                          if "amp" in n.meta)
+    return rec, backend, ref
+
+
+class LMLoss(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.lm = TinyLM(**kw)
+
+    def forward(self, ids, labels):
+        return self.lm(ids, labels)
+
+
+class CNNLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = ConvNet()
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
+
+
+class MLPLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x, y):
+        return F.mse_loss(self.mlp(x), y)
+
+
+ids = torch.randint(0, 64, (2, 12))
+labels = torch.randint(0, 64, (2, 12))
+
+
+@pytest.mark.parametrize("sdpa", [False, True], ids=["softmax_attention", "sdpa"])
+def test_e2e_transformer_matmuls_bf16_softmax_norms_fp32(sdpa):
+    """A transformer LM trains one step: matmuls executed in BF16, softmax/norms/loss in FP32."""
+    rec, backend, _ = check_against_fp32(LMLoss(sdpa=sdpa), (ids, labels))
+    assert_executed_dtypes(rec)
+    plan = backend.plan()
+    assert all(n.precision == "FP32" for n in plan.by_op("aten.layer_norm"))
+    assert all(n.precision == "LOW" for n in plan.by_op("aten.linear"))
+    if sdpa:
+        assert plan.by_op("aten.scaled_dot_product_attention")[0].precision == "LOW"
+    else:
+        assert all(n.precision == "FP32" for n in plan.by_op("aten.softmax"))
+
+
+def test_e2e_cnn_batchnorm_conv_bf16_bn_fp32_running_stats_fp32():
+    """Conv runs in BF16, BatchNorm in FP32, running stats stay FP32 and update like eager."""
+    model = CNNLoss()
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    rec, _, ref = check_against_fp32(model, (x, y))
+    assert_executed_dtypes(rec)
+    for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+        assert b.dtype == rb.dtype, name
+        if b.is_floating_point():
+            torch.testing.assert_close(b, rb, atol=0.02, rtol=0.02)
+        else:
+            assert torch.equal(b, rb), name
+
+
+def test_e2e_mlp_matches_torch_autocast_where_policies_agree():
+    """Linear-ReLU-Linear: same policy as CPU autocast, so the same numbers."""
+    model = MLP()
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x).float()
+    got = torch.compile(model, backend=AmpBackend(inner="eager"))(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    assert (got - model(x)).abs().max() > 0  # it really ran in BF16
+
+
+def test_e2e_mlp_fp16_path():
+    """dtype='fp16': matmuls executed in FP16, loss/grad close to FP32."""
+    rec, backend, _ = check_against_fp32(MLPLoss(), (torch.randn(8, 16), torch.randn(8, 4)),
+                                      low="fp16")
+    assert all(d[:2] == [torch.float16] * 2 for d in rec.dtypes_of(aten.addmm, aten.mm))
+    assert backend.records[0].dtype == "fp16"
+
+
+def test_e2e_saved_activations_are_low_precision():
+    """Activations autograd saves for backward are stored in BF16, not FP32."""
+    model, x = MLP(d=16, hidden=32), torch.randn(8, 16)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    compiled = torch.compile(model, backend=AmpBackend(inner="aot_eager"))
+    compiled(x)  # compile first: tracing runs the hooks on its own tensors
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.sum().backward()
+    assert saved and all(d == torch.bfloat16 for d, _ in saved), saved
+    assert (torch.bfloat16, (8, 32)) in saved  # the hidden activation
+
+
+def test_e2e_inductor_inner_compiles_and_matches():
+    """The default inner compiler (Inductor) receives the cast graph and runs it."""
+    model, x = MLP(), torch.randn(8, 16)
+    backend = AmpBackend()
+    out = torch.compile(model, backend=backend)(x)
+    assert backend.options.inner == "inductor" and backend.records
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model(x), atol=0.05, rtol=0.05)
+
+
+def test_backend_resolves_by_name_in_fresh_interpreter():
+    """backend="amp" works without importing amp_compiler (entry point)."""
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Linear(8, 8)
+        out = torch.compile(m, backend="amp", options={"inner": "eager"})(torch.randn(2, 8))
+        from amp_compiler import amp
+        plan = amp.plan()
+        print(out.dtype, plan.summary()["nodes"]["LOW"], plan.summary()["casts"])
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["torch.float32", "1", "4"]
+
+
+def test_backend_options_through_torch_compile():
+    """options={...} reach the backend; the named backend records the graph."""
+    before = len(amp_compiler.amp.records)
+    model = MLP()
+    out = torch.compile(model, backend="amp", options={"dtype": "fp16", "inner": "eager"})(
+        torch.randn(2, 16))
+    assert out.dtype == torch.float32
+    rec = amp_compiler.amp.records[before]
+    assert rec.dtype == "fp16" and rec.options.inner == "eager"
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"dtyp": "bf16"}, r"unknown option\(s\) \['dtyp'\]; valid options are \[.*'dtype'"),
+    ({"dtype": "fp8"}, r"dtype='fp8' is not valid; use one of \('bf16', 'fp16', 'auto'\)"),
+    ({"inner": "nope"}, r"inner='nope' is not a torch.compile backend"),
+    ({"fp32_ops": ["aten.nothing"]}, r"no ATen op named 'aten.nothing'"),
+    ({"fp32_modules": ["("]}, r"fp32_modules pattern '\(' is not a regex"),
+    ({"strict": "yes"}, r"strict must be True or False"),
+])
+def test_options_bad_name_or_value_is_a_clear_error(options, match):
+    with pytest.raises(AmpOptionsError, match=match):
+        AmpBackend(**options)
+    with pytest.raises(Exception, match=match):
+        torch.compile(MLP(), backend="amp", options=options)(torch.randn(2, 16))
+
+
+def test_dynamic_shapes_one_graph_serves_all_lengths():
+    """dynamic=True: one rewritten graph serves several sequence lengths."""
+    model = TinyLM()
+    backend = AmpBackend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    counts = []
+    for t in (5, 9, 13):
+        x = torch.randint(0, 64, (2, t))
+        torch.testing.assert_close(compiled(x), model(x), atol=0.1, rtol=0.05)
+        counts.append(len(backend.records))
+    # Dynamo may trace twice on the first call (it retries with floats specialised),
+    # but no length after the first compiles again.
+    assert counts[0] == counts[1] == counts[2]
+    assert backend.plan().summary()["cast_bytes"] is None  # sizes are symbolic
+
+
+def test_automatic_dynamic_recompile_is_rewritten_too():
+    """Without dynamic=, a new shape recompiles (automatically dynamic); every graph is rewritten."""
+    model = MLP()
+    backend = AmpBackend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    for b in (2, 3, 4):
+        x = torch.randn(b, 16)
+        torch.testing.assert_close(compiled(x), model(x), atol=0.05, rtol=0.05)
+    assert len(backend.records) == 2
+    assert all(r.plan.summary()["nodes"]["LOW"] == 2 for r in backend.records)
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP(16, 32, 16), MLP(16, 32, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return torch.softmax(self.b(h), -1)
+
+
+def test_graph_breaks_every_graph_rewritten():
+    model, x = Broken(), torch.randn(4, 16)
+    backend = AmpBackend(inner="aot_eager")
+    out = torch.compile(model, backend=backend)(x)
+    assert len(backend.records) == 2
+    assert [r.plan.summary()["nodes"]["LOW"] for r in backend.records] == [2, 2]
+    torch.testing.assert_close(out, model(x), atol=0.02, rtol=0.05)
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
+def test_inference_modes(mode):
+    model, x = ConvNet(), torch.randn(2, 3, 8, 8)
+    model.eval()
+    expected = model(x)
+    backend = AmpBackend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad,
+           "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        out = compiled(x)
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
+    assert backend.plan().summary()["nodes"]["LOW"] >= 3
+
+
+def test_tied_weights_cast_once_grads_shared():
+    """An embedding tied to the LM head: one parameter, one cast, FP32 grad."""
+    model = LMLoss(tied=True)
+    assert model.lm.embed.weight is model.lm.lm_head.weight
+    _, backend, _ = check_against_fp32(model, (ids, labels))
+    assert model.lm.embed.weight.grad.dtype == torch.float32
+    head = [n for n in backend.plan().nodes if n.module == "lm.lm_head"]
+    assert head and head[0].precision == "LOW"
+
+
+def test_fp32_modules_pins_lm_head():
+    """fp32_modules=[r'lm_head'] keeps that Linear in FP32 with a reason naming the pattern."""
+    plan = amp_compiler.explain(TinyLM(), ids, options={"fp32_modules": [r"lm_head$"]})
+    head = [n for n in plan.nodes if n.module == "lm_head"]
+    assert head and all(n.precision == "FP32" for n in head)
+    assert "fp32_modules" in head[0].reason
+    others = [n for n in plan.by_op("aten.linear") if n.module != "lm_head"]
+    assert others and all(n.precision == "LOW" for n in others)
+
+
+class DisabledRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.autocast("cpu", enabled=False):
+            r = h.float() @ x.float().T
+        return r
+
+
+def test_autocast_disabled_region_is_pinned_fp32():
+    plan = amp_compiler.explain(DisabledRegion(), torch.randn(4, 8))
+    mm, = plan.by_op("aten.matmul")
+    assert mm.precision == "FP32" and "autocast(enabled=False)" in mm.reason
+    assert plan.by_op("aten.linear")[0].precision == "LOW"
+
+
+def test_auto_dtype_falls_back_to_fp16_without_bf16(monkeypatch):
+    """dtype='auto' picks FP16 when the probe says no BF16, and records why."""
+    monkeypatch.setattr(amp_compiler.device, "bf16_support",
+                        lambda device: (False, "fake device without BF16"))
+    backend = AmpBackend(dtype="auto", inner="eager")
+    torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
+    rec = backend.records[0]
+    assert rec.dtype == "fp16"
+    assert "fake device without BF16" in rec.dtype_reason and "FP16" in rec.dtype_reason
+
+
+def test_auto_dtype_picks_bf16_when_supported(monkeypatch):
+    monkeypatch.setattr(amp_compiler.device, "bf16_support", lambda device: (True, "fake BF16"))
+    backend = AmpBackend(dtype="auto", inner="eager")
+    torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
+    assert backend.records[0].dtype == "bf16"
+    assert backend.records[0].dtype_reason == "auto: fake BF16"
+
+
+def test_integer_inputs_and_float64_buffers_untouched():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("table", torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, x, idx):
+            return self.fc(x), self.table @ self.table, idx * 2
+
+    m = M()
+    x, idx = torch.randn(2, 4), torch.arange(3)
+    out = torch.compile(m, backend=AmpBackend(inner="eager"))(x, idx)
+    assert [o.dtype for o in out] == [torch.float32, torch.float64, torch.int64]
+    torch.testing.assert_close(out[1], m.table @ m.table)
+
+
+def test_low_precision_outputs_through_compile():
+    out = torch.compile(MLP(), backend=AmpBackend(inner="eager", low_precision_outputs=True))(
+        torch.randn(2, 16))
+    assert out.dtype == torch.bfloat16
+
+
+def test_dump_dir_writes_graph_after_each_pass(tmp_path):
+    torch.compile(MLP(), backend=AmpBackend(inner="eager", dump_dir=str(tmp_path)))(
+        torch.randn(2, 16))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["graph0_0_tag_precision.txt", "graph0_1_insert_casts.txt",
+                     "graph0_2_fold_casts.txt", "graph0_3_verify_plan.txt"]
+    assert "_to_copy" in (tmp_path / "graph0_1_insert_casts.txt").read_text()
