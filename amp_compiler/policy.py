@@ -54,6 +54,7 @@ LOW_OPS = frozenset({
     aten._scaled_dot_product_cudnn_attention,
     aten._scaled_dot_product_flash_attention_for_cpu,
     aten.lstm_cell, aten.gru_cell, aten.rnn_tanh_cell, aten.rnn_relu_cell,
+    aten._grouped_mm,
 })
 
 # FP32, normalisation and softmax: they sum over a whole row or channel and
@@ -64,7 +65,7 @@ _FP32_NORMS = {
     aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_no_training, aten._native_batch_norm_legit_functional,
     aten.instance_norm, aten.rms_norm, aten._fused_rms_norm,
-    aten.norm, aten.linalg_vector_norm, aten.frobenius_norm, aten.renorm,
+    aten.norm, aten.linalg_vector_norm, aten.frobenius_norm, aten.renorm, aten._weight_norm,
     aten.cdist, aten.dist, aten.pdist, aten.cosine_similarity,
 }
 # FP32, reductions: a long 16-bit sum stops growing once the partial sum
@@ -73,7 +74,7 @@ _FP32_NORMS = {
 _FP32_REDUCTIONS = {
     aten.sum, aten.mean, aten.var, aten.std, aten.var_mean, aten.std_mean,
     aten.prod, aten.cumsum, aten.cumprod, aten.logsumexp, aten.logcumsumexp,
-    aten.nansum, aten.nanmean,
+    aten.nansum, aten.nanmean, aten.histc, aten.bincount,
     aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d,
     aten._adaptive_avg_pool2d,
 }
@@ -174,6 +175,13 @@ BANNED_OPS: Mapping[object, str] = {
     ),
 }
 
+# Ops outside ATen that popular model code emits, keyed by qualified name so
+# the library need not be installed. transformers' MoE layers call this
+# grouped matmul when torch's own is unavailable.
+EXTERNAL_OPS: Mapping[str, Precision] = {
+    "transformers::grouped_mm_fallback": Precision.LOW,
+}
+
 TABLES: Mapping[Precision, frozenset] = {
     Precision.LOW: LOW_OPS,
     Precision.FP32: FP32_OPS,
@@ -191,14 +199,16 @@ def resolve_op(op: object) -> torch._ops.OpOverloadPacket:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op
     if isinstance(op, str):
-        name = op.removeprefix("torch.ops.").removeprefix("aten.").removeprefix("aten::")
-        name = name.split(".")[0]
-        packet = getattr(aten, name, None) if name else None
+        text = op.removeprefix("torch.ops.").replace("::", ".")
+        namespace, _, name = text.rpartition(".") if text.count(".") == 1 else ("aten", "", text)
+        if text.count(".") == 2:  # "aten.mm.default"
+            namespace, name = text.split(".")[:2]
+        packet = getattr(getattr(torch.ops, namespace or "aten", None), name, None) if name else None
         if isinstance(packet, torch._ops.OpOverloadPacket):
             return packet
         raise ValueError(
-            f"no ATen op named {op!r}; write it as 'aten.<name>' (e.g. 'aten.mm') or pass "
-            "torch.ops.aten.<name>"
+            f"no ATen op named {op!r}; write it as 'aten.<name>' (e.g. 'aten.mm'), "
+            "'<namespace>::<name>' for a custom op, or pass torch.ops.aten.<name>"
         )
     raise TypeError(f"expected an ATen op name or torch.ops.aten packet, got {op!r}")
 
@@ -243,6 +253,8 @@ class Policy:
                 packet = getattr(aten, name[:-1], packet)
         if packet in BANNED_OPS and packet not in self._lookup:
             raise AmpPolicyError(BANNED_OPS[packet])
+        if packet not in self._lookup and packet not in self.removed:
+            return EXTERNAL_OPS.get(getattr(packet, "_qualified_op_name", None))
         return self._lookup.get(packet)
 
     @classmethod
@@ -296,4 +308,6 @@ def why(packet: object, precision: Precision, policy: Policy) -> str:
             return f"user override: in {p.value.lower()}_ops"
     if policy.low_dtype == torch.float16 and packet in FP16_EXTRA_FP32_OPS:
         return _FP16_WHY
+    if getattr(packet, "_qualified_op_name", None) in EXTERNAL_OPS:
+        return f"known {packet._qualified_op_name} (grouped matmul): 16-bit inputs"
     return _WHY.get(packet, f"{precision.value} table")

@@ -44,12 +44,49 @@ def bert():
     return transformers.BertForSequenceClassification(cfg)
 
 
+def vit():
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, image_size=32, patch_size=8, num_labels=3,
+                                 hidden_dropout_prob=0, attention_probs_dropout_prob=0)
+    return transformers.ViTForImageClassification(cfg)
+
+
+def wav2vec2():
+    cfg = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, num_labels=3, hidden_dropout=0, attention_dropout=0,
+        activation_dropout=0, feat_proj_dropout=0, layerdrop=0, mask_time_prob=0)
+    return transformers.Wav2Vec2ForSequenceClassification(cfg)
+
+
+def whisper():
+    cfg = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=50, max_target_positions=32, vocab_size=100, dropout=0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+def mixtral():
+    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=64, vocab_size=100,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(cfg)
+
+
 ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
 CASES = {
     "gpt2": (gpt2, dict(input_ids=ids, labels=ids)),
     "llama_sdpa": (llama, dict(input_ids=ids, labels=ids)),
     "llama_eager_attention": (lambda: llama("eager"), dict(input_ids=ids, labels=ids)),
     "bert_classifier": (bert, dict(input_ids=ids, labels=torch.tensor([0, 2]))),
+    "vit": (vit, dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))),
+    "wav2vec2": (wav2vec2, dict(input_values=torch.randn(2, 1600), labels=torch.tensor([0, 2]))),
+    "whisper": (whisper, dict(input_features=torch.randn(2, 16, 100), labels=ids[:, :8],
+                              decoder_input_ids=ids[:, :8])),
+    "mixtral_moe": (mixtral, dict(input_ids=ids, labels=ids)),
 }
 
 
@@ -89,3 +126,21 @@ def test_hf_plan_names_modules_and_reasons():
     lm_head = [n for n in plan.nodes if n.module.endswith("lm_head")]
     assert lm_head and lm_head[0].precision == "LOW" and "matmul" in lm_head[0].reason
     assert any(n.precision == "FP32" and n.op.startswith("aten.rsqrt") for n in plan.nodes)
+
+
+def test_hf_resnet_grads_no_worse_than_autocast():
+    """A tiny random-init ResNet (BatchNorm, batch 2) is BF16-sensitive: its gradient cosine
+    to FP32 is ~0.96 under torch.autocast too. amp must be no worse than autocast."""
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                    num_labels=3)
+    model = transformers.ResNetForImageClassification(cfg)
+    kwargs = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))
+    ref, auto = copy.deepcopy(model), copy.deepcopy(model)
+    ref(**kwargs).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto(**kwargs).loss.backward()
+    loss = torch.compile(model, backend=AmpBackend(inner="aot_eager"))(**kwargs).loss
+    loss.backward()
+    ours, theirs = cosine(grads(model), grads(ref)), cosine(grads(auto), grads(ref))
+    assert ours >= theirs - 0.02, (ours, theirs)
+    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if "running" in n)

@@ -118,3 +118,19 @@ def test_table_groups_cover_the_design_note():
             aten.rsqrt, aten.reciprocal, aten.mse_loss, aten.nll_loss} <= FP32_OPS
     assert {aten.cat, aten.stack, aten.index_put, aten.addcmul, aten.where} <= PROMOTE_OPS
     assert {aten.view, aten.permute, aten.transpose, aten.reshape} <= PASSTHROUGH_OPS
+
+
+def test_resolve_op_custom_namespace():
+    """Custom ops are named '<namespace>::<name>'."""
+    assert resolve_op("prims::convert_element_type") is torch.ops.prims.convert_element_type
+
+
+def test_external_op_decided_by_qualified_name():
+    """transformers' MoE grouped matmul is LOW without importing transformers here."""
+    from amp_compiler.policy import EXTERNAL_OPS
+
+    class FakePacket:
+        _qualified_op_name = "transformers::grouped_mm_fallback"
+
+    assert EXTERNAL_OPS["transformers::grouped_mm_fallback"] is Precision.LOW
+    assert Policy(torch.bfloat16).decide(FakePacket()) is Precision.LOW
