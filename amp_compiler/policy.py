@@ -98,7 +98,11 @@ _FP32_LOSSES = {
     aten.triplet_margin_loss, aten.ctc_loss,
     aten.log_sigmoid, aten.log_sigmoid_forward,
 }
-FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES)
+# FP32, fused layers: nn.TransformerEncoderLayer / nn.MultiheadAttention fast
+# paths (eval + no_grad) compute LayerNorm and softmax inside in their input
+# dtype; the policy cannot split them, so the whole op stays FP32.
+_FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
+FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_FUSED)
 
 # PROMOTE: multi-input ops that must see one dtype; they take the widest
 # floating input. Residual adds are here on purpose: `x + f(x)` with an FP32
@@ -294,6 +298,7 @@ _GROUP_WHY = [
     (_FP32_REDUCTIONS, "reduction: FP32 so small terms are not lost"),
     (_FP32_MATH, "range-expanding math: FP32"),
     (_FP32_LOSSES, "loss: FP32"),
+    (_FP32_FUSED, "fused layer with LayerNorm/softmax inside: FP32 (cannot be split)"),
     (PROMOTE_OPS, "multi-input op: takes the widest floating input"),
     (PASSTHROUGH_OPS, "dtype-agnostic (view, data movement, activation): runs in the dtype that arrives"),
 ]

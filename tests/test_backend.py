@@ -365,3 +365,21 @@ def test_dump_dir_writes_graph_after_each_pass(tmp_path):
     assert names == ["graph0_0_tag_precision.txt", "graph0_1_insert_casts.txt",
                      "graph0_2_fold_casts.txt", "graph0_3_verify_plan.txt"]
     assert "_to_copy" in (tmp_path / "graph0_1_insert_casts.txt").read_text()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval_no_grad"])
+def test_nn_transformer_train_and_fast_path(mode):
+    """nn.Transformer: matmuls LOW when training; the fused eval fast path is FP32, not unknown."""
+    m = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                       dim_feedforward=64, dropout=0, batch_first=True)
+    src, tgt = torch.randn(2, 8, 32), torch.randn(2, 6, 32)
+    backend = AmpBackend(inner="aot_eager")
+    ctx = torch.enable_grad
+    if mode == "eval_no_grad":
+        m.eval()
+        ctx = torch.no_grad
+    with ctx():
+        out, ref = torch.compile(m, backend=backend)(src, tgt), m(src, tgt)
+    torch.testing.assert_close(out, ref, atol=0.05, rtol=0.05)
+    s = backend.plan().summary()
+    assert s["unknown_ops"] == {} and s["nodes"]["LOW"] >= 6
