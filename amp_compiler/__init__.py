@@ -7,14 +7,18 @@
 
 from .backend import AmpBackend, CompileRecord, amp
 from .explain import explain
+from .monitor import AlertEvent, NonFiniteMonitor
 from .options import AmpOptions, AmpOptionsError
 from .passes import AmpVerifyError
 from .plan import GraphPlan, NodePlan, PrecisionPlan
 from .policy import AmpPolicyError, Policy, Precision
+from .scaler import LossScaler
+from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
 
 __all__ = [
-    "AmpBackend", "AmpOptions", "AmpOptionsError", "AmpPolicyError", "AmpVerifyError",
-    "CompileRecord", "GraphPlan", "NodePlan", "Policy", "Precision", "PrecisionPlan",
-    "amp", "explain",
+    "AlertEvent", "AmpBackend", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
+    "AmpVerifyError", "CompileRecord", "GraphPlan", "LossScaler", "MasterWeightsError",
+    "NodePlan", "NonFiniteMonitor", "Policy", "Precision", "PrecisionPlan", "StepResult",
+    "TrainStep", "amp", "explain", "make_train_step",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,183 @@
+"""``make_train_step``: the design note's three rules as one object a training loop calls.
+
+FP32 master weights (the optimizer updates the FP32 parameters; the model
+computes through the amp backend's casts), loss scaling for FP16 (none for
+BF16), the allow/deny lists (the backend's policy). Each call runs:
+
+    forward (compiled, amp) -> loss in FP32 -> scaled backward
+    -> [every grad_accum calls] unscale -> finite check -> optional clipping
+    -> optimizer step on the FP32 master parameters, or a skip
+    -> scale update -> scheduler step (only if the optimizer stepped)
+    -> Inf/NaN monitor
+
+and returns ``StepResult(loss, skipped, scale, grad_norm)``. The one host sync
+per optimizer step is the finite check (GradScaler's own ``.item()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backend import AmpBackend
+from .device import resolve_dtype
+from .monitor import NonFiniteMonitor
+from .scaler import LossScaler
+
+log = logging.getLogger("amp_compiler")
+
+
+class MasterWeightsError(TypeError):
+    """The model's parameters are not FP32, so there is no FP32 master copy."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor  # FP32, detached, unscaled (the micro-batch's loss)
+    skipped: bool  # the optimizer step was skipped (Inf/NaN gradients)
+    scale: float  # loss scale used for this step (1.0 under BF16)
+    grad_norm: torch.Tensor | None  # total gradient norm before clipping; None between accumulation steps
+    stepped: bool = True  # False on accumulation micro-steps and on skips
+
+
+class TrainStep:
+    """Built by ``make_train_step``; call it with a batch: ``step(inputs, *targets)``.
+
+    ``inputs`` is a tensor, a tuple (splatted into the model) or a dict (keywords);
+    the loss is ``loss_fn(model_output, *targets)``.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, *, dtype, dtype_reason, scaler, monitor,
+                 max_grad_norm, grad_accum, lr_scheduler, backend):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.dtype, self.dtype_reason = dtype, dtype_reason
+        self.scaler, self.monitor, self.backend = scaler, monitor, backend
+        self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
+        self.compiled = torch.compile(model, backend=backend)
+        self.micro_step = 0
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+
+    def __call__(self, inputs: Any, *targets: Any) -> StepResult:
+        if isinstance(inputs, dict):
+            output = self.compiled(**inputs)
+        elif isinstance(inputs, tuple):
+            output = self.compiled(*inputs)
+        else:
+            output = self.compiled(inputs)
+        loss = self.loss_fn(output, *targets).float()
+        self.scaler.scale(loss / self.grad_accum).backward()
+        self.micro_step += 1
+        if self.micro_step % self.grad_accum:
+            # no sync between accumulation steps: report the scale known at the last step
+            return StepResult(loss.detach(), False, self._last_scale, None, stepped=False)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        return self._optimizer_step(loss.detach(), scale)
+
+    def _optimizer_step(self, loss: torch.Tensor, scale: float) -> StepResult:
+        scaler = self.scaler
+        if scaler.is_enabled():
+            scaler.unscale_(self.optimizer)
+        else:
+            self._check_finite_unscaled()
+        grad_norm = self._grad_norm()
+        if scaler.is_enabled():
+            scaler.step(self.optimizer)
+            skipped = bool(scaler.last_step_skipped)
+            scaler.update()
+            scale_after = scaler.get_scale()
+        else:
+            skipped = self._found_inf
+            if not skipped:
+                self.optimizer.step()
+            scale_after = None
+        if not skipped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.skipped_steps += skipped
+        if self.monitor is not None:
+            self.monitor.observe(skipped, scale_before=scale if scaler.is_enabled() else None,
+                                 scale_after=scale_after, scaler=scaler, dtype=self.dtype)
+        self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        return StepResult(loss, skipped, scale, grad_norm, stepped=not skipped)
+
+    def _check_finite_unscaled(self) -> None:
+        """BF16: no scaler, but a step with Inf/NaN gradients is still skipped."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+        self._found_inf = bool(found.item())
+
+    def _grad_norm(self) -> torch.Tensor:
+        params = [p for p in self._params if p.grad is not None]
+        if self.max_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def state_dict(self) -> dict:
+        """Scaler, monitor and counters (save model/optimizer/scheduler states beside it)."""
+        return {"dtype": self.dtype, "scaler": self.scaler.state_dict(),
+                "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+                "micro_step": self.micro_step, "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dtype"] != self.dtype:
+            raise ValueError(
+                f"checkpoint was trained in {state['dtype']}, this step runs {self.dtype}: "
+                f"pass dtype={state['dtype']!r} to make_train_step to resume it")
+        self.scaler.load_state_dict(state["scaler"])
+        if self.monitor is not None and state["monitor"] is not None:
+            self.monitor.load_state_dict(state["monitor"])
+        self.micro_step = state["micro_step"]
+        self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
+
+
+def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[..., torch.Tensor], *, dtype: str = "auto",
+                    scaler: LossScaler | None = None, monitor: NonFiniteMonitor | None = None,
+                    max_grad_norm: float | None = None, grad_accum: int = 1, lr_scheduler=None,
+                    compile_options: dict | None = None) -> TrainStep:
+    """Build a ``TrainStep`` (see the module docstring). ``dtype``: "auto", "bf16" or "fp16"."""
+    _check_master_weights(model)
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    options = dict(compile_options or {})
+    if "dtype" in options:
+        raise ValueError("pass dtype to make_train_step itself, not in compile_options")
+    from .options import AmpOptions
+
+    choice, reason = resolve_dtype(AmpOptions(dtype=dtype).dtype, device)
+    log.info("amp training step: %s (%s)", choice, reason)
+    if scaler is None:
+        scaler = LossScaler(device.type, dtype=choice)
+    elif choice == "bf16" and scaler.is_enabled():
+        raise ValueError("BF16 needs no loss scaling: pass no scaler, or LossScaler(..., dtype='bf16')")
+    elif choice == "fp16" and not scaler.is_enabled():
+        log.warning("amp: FP16 without loss scaling; small gradients will underflow to zero")
+    if monitor is None:
+        monitor = NonFiniteMonitor()
+    backend = AmpBackend(options, dtype=choice)
+    return TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
+                     monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
+                     lr_scheduler=lr_scheduler, backend=backend)
+
+
+def _check_master_weights(model: torch.nn.Module) -> None:
+    low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
+    if low:
+        names = [n for n, p in model.named_parameters() if p.dtype in low][:3]
+        raise MasterWeightsError(
+            f"parameters are {sorted(str(d) for d in low)} (e.g. {names}); amp keeps FP32 master "
+            "weights so that small updates are not lost to 16-bit rounding. Call model.float() "
+            "before building the optimizer and the train step; the backend casts to 16 bit on the fly."
+        )
