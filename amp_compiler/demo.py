@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backend import AmpBackend
 
 
 class Block(nn.Module):
@@ -65,39 +64,80 @@ class RunResult:
     seconds_per_step: float
 
 
-def train(model, compiled, steps, batch_size, seq, vocab, seed, progress=None):
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    timed, t0 = 0, 0.0
-    for step in range(steps):
-        ids, targets = batch(gen, batch_size, seq, vocab)
-        if step == 2:  # compile and warm-up excluded from timing
-            t0 = time.perf_counter()
-        loss, acc = compiled(ids, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        timed += step >= 2
-        if progress:
-            progress(step, loss.item())
-    seconds = (time.perf_counter() - t0) / max(timed, 1)
-    return loss.item(), acc.item(), seconds
-
-
 def run_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor", batch_size: int = 8,
              seq: int = 128, vocab: int = 64, d: int = 384, seed: int = 0, progress=None) -> dict:
-    """Train the same initial model in FP32 and under amp; return both results and the plan."""
+    """Train the same initial model with FP32 and with the amp training step; return both."""
+    from .train import make_train_step
+
     torch.manual_seed(seed)
     model = DemoLM(vocab=vocab, d=d, seq=seq)
     amp_model = copy.deepcopy(model)
-    fp32_backend = inner if isinstance(inner, str) else "eager"
-    amp_backend = AmpBackend(dtype=dtype, inner=inner)
+
+    fp32 = torch.compile(model, backend=inner)
+    fp32_opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def fp32_step(ids, targets):
+        loss, acc = fp32(ids, targets)
+        fp32_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        fp32_opt.step()
+        return loss.detach(), acc
+
+    step = make_train_step(amp_model, torch.optim.AdamW(amp_model.parameters(), lr=3e-3),
+                           lambda out: out[0], dtype=dtype, compile_options={"inner": inner})
+    def amp_step(ids, targets):
+        return step((ids, targets)).loss, None
+
     results = []
-    for name, m, backend in (("fp32", model, fp32_backend), (f"amp-{dtype}", amp_model, amp_backend)):
-        compiled = torch.compile(m, backend=backend)
-        cb = (lambda s, loss, name=name: progress(name, s, loss)) if progress else None
-        loss, acc, sec = train(m, compiled, steps, batch_size, seq, vocab, seed, cb)
-        results.append(RunResult(name, loss, acc, sec))
-    return {"results": results, "plan": amp_backend.plan(), "inner": inner,
+    for name, fn in (("fp32", fp32_step), (f"amp-{step.dtype}", amp_step)):
+        gen = torch.Generator().manual_seed(seed)
+        t0 = 0.0
+        for i in range(steps):
+            ids, targets = batch(gen, batch_size, seq, vocab)
+            if i == 2:  # compile and warm-up excluded from timing
+                t0 = time.perf_counter()
+            loss, _ = fn(ids, targets)
+            if progress:
+                progress(name, i, loss)
+        seconds = (time.perf_counter() - t0) / max(steps - 2, 1)
+        ids, targets = batch(torch.Generator().manual_seed(seed + 1), batch_size, seq, vocab)
+        m = model if name == "fp32" else amp_model
+        with torch.no_grad():
+            _, acc = m(ids, targets)
+        results.append(RunResult(name, float(loss), acc.item(), seconds))
+    return {"results": results, "plan": step.backend.plan(), "inner": inner, "dtype": step.dtype,
+            "dtype_reason": step.dtype_reason,
             "speedup": results[0].seconds_per_step / results[1].seconds_per_step,
-            "params_fp32": all(p.dtype == torch.float32 for p in amp_model.parameters())}
+            "params_fp32": all(p.dtype == torch.float32 for p in amp_model.parameters()),
+            "skipped_steps": step.skipped_steps}
+
+
+def print_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor") -> dict:
+    """The README's main job: train, with a progress bar, then print the comparison."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"Training a small transformer for {steps} steps: FP32 vs amp ({dtype}), "
+                  f"inner compiler {inner} (the first steps include compilation)")
+    columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        tasks = {}
+
+        def progress(name, i, loss):
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=steps, loss=float("nan"))
+            bar.update(tasks[name], advance=1, loss=float(loss))
+
+        out = run_demo(steps=steps, dtype=dtype, inner=inner, progress=progress)
+    console.print(f"\nPrecision plan: {out['plan'].format_summary()}")
+    console.print(f"dtype: {out['dtype']} ({out['dtype_reason']})")
+    table = Table("run", "final train loss", "held-out accuracy", "ms/step")
+    for r in out["results"]:
+        table.add_row(r.name, f"{r.loss:.4f}", f"{r.accuracy:.3f}", f"{r.seconds_per_step * 1e3:.1f}")
+    console.print(table)
+    console.print(f"amp speed vs FP32: {out['speedup']:.2f}x (same process, one after the other); "
+                  f"parameters FP32: {out['params_fp32']}; skipped steps: {out['skipped_steps']}")
+    return out

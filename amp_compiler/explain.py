@@ -14,15 +14,16 @@ def _as_is(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     return gm.forward
 
 
-def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
-            options: dict | None = None, **kwargs: Any) -> PrecisionPlan:
-    """Trace ``model(*args, **kwargs)`` through the amp passes and return the plan.
+def trace(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16", options: dict | None = None,
+          backend: Any = None, **kwargs: Any) -> Any:
+    """Run ``model(*args, **kwargs)`` once through ``backend`` (default: an amp backend that
+    executes the rewritten graphs as they are); return the backend, with its records.
 
-    The model is run once, without gradients, on the rewritten graphs (so graph
-    breaks are followed); its buffers (BatchNorm running stats) are restored
-    afterwards, so explaining changes nothing.
+    No gradients; buffers (BatchNorm running stats) are restored afterwards, so
+    tracing changes nothing.
     """
-    backend = AmpBackend(options, dtype=dtype, inner=_as_is)
+    if backend is None:
+        backend = AmpBackend(options, dtype=dtype, inner=_as_is)
     buffers = []
     if isinstance(model, torch.nn.Module):
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -34,4 +35,15 @@ def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
-    return backend.plan()
+    return backend
+
+
+def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
+            options: dict | None = None, **kwargs: Any) -> PrecisionPlan:
+    """Trace ``model(*args, **kwargs)`` through the amp passes and return the plan.
+
+    The model is run once, without gradients, on the rewritten graphs (so graph
+    breaks are followed); its buffers (BatchNorm running stats) are restored
+    afterwards, so explaining changes nothing.
+    """
+    return trace(model, *args, dtype=dtype, options=options, **kwargs).plan()

@@ -82,9 +82,9 @@ class _Tagger:
         if any(self.autocast_off):
             return "pinned FP32: inside torch.autocast(enabled=False)"
         for text, pattern in self.patterns:
-            for path in modules:
+            for path in modules or [""]:  # "" is the top-level module's own ops
                 if pattern.search(path):
-                    return f"pinned FP32: module '{path}' matches fp32_modules {text!r}"
+                    return f"pinned FP32: module '{path or '<top level>'}' matches fp32_modules {text!r}"
         return None
 
     def visit(self, node: torch.fx.Node) -> NodeInfo:

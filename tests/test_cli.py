@@ -1,0 +1,184 @@
+"""The CLI, driven as a user would: a subprocess per command."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+MODELS = os.path.join(HERE, "fixtures", "models.py")
+OVERFLOW = os.path.join(HERE, "fixtures", "overflow_model.py")
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "amp_compiler", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(*args):
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_cli_inspect_table_lists_nodes_and_summary():
+    out = ok("inspect", f"{MODELS}:tiny")
+    assert "aten.softmax.int" in out and "FP32" in out and "LOW" in out
+    assert "nodes per precision: LOW" in out
+    assert "casts inserted:" in out and "bytes cast per step:" in out and "unknown ops: none" in out
+
+
+def test_cli_inspect_json_schema():
+    plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--format", "json"))
+    assert plan["schema"] == "amp_compiler.plan/1"
+    for node in plan["nodes"]:
+        assert node["precision"] in {"LOW", "FP32", "PROMOTE", "PASSTHROUGH"} and node["reason"]
+    by_op = {n["op"]: n["precision"] for n in plan["nodes"]}
+    assert by_op["aten.softmax.int"] == "FP32"
+    assert by_op["aten.matmul.default"] == "LOW" and by_op["aten.linear.default"] == "LOW"
+    assert plan["summary"]["casts"] > 0
+
+
+def test_cli_inspect_dot_parses_as_a_graph(tmp_path):
+    pydot = pytest.importorskip("pydot")
+    out = tmp_path / "plan.dot"
+    ok("inspect", f"{MODELS}:tiny", "--format", "dot", "-o", str(out))
+    graphs = pydot.graph_from_dot_data(out.read_text())
+    assert graphs and graphs[0].get_name() == "amp"
+    text = out.read_text()
+    assert "#9be3b0" in text and "cast -> bf16" in text  # LOW colour, casts visible
+    assert sorted(os.listdir(tmp_path)) == ["plan.dot"]  # no temp files left
+
+
+class _Checker(html.parser.HTMLParser):
+    VOID = {"meta", "br", "img", "hr", "input", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.rows = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+        self.rows += tag == "tr"
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack[-1] == tag, (self.stack[-3:], tag)
+        self.stack.pop()
+
+
+def test_cli_inspect_html_is_well_formed_and_renders(tmp_path):
+    out = tmp_path / "plan.html"
+    ok("inspect", f"{MODELS}:tiny", "--format", "html", "-o", str(out))
+    text = out.read_text()
+    checker = _Checker()
+    checker.feed(text)
+    assert checker.stack == [] and checker.rows > 10
+    assert "<script" not in text and "http" not in text  # self-contained
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed: structure checked, rendering not")
+    png = tmp_path / "shot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}",
+                    "--window-size=1200,900", f"file://{out}"], capture_output=True, timeout=120)
+    assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_cli_inspect_inputs_from_command_line():
+    out = ok("inspect", f"{MODELS}:tiny_model_only", "--input", "2x8:int64:0-50",
+             "--format", "json")
+    assert json.loads(out)["nodes"]
+
+
+def test_cli_inspect_fp16_and_pins():
+    plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--dtype", "fp16", "--fp32-module", "^head$",
+                         "--format", "json"))
+    assert plan["dtype"] == "fp16"
+    head = [n for n in plan["nodes"] if n["module"] == "head"]
+    assert head and all(n["precision"] == "FP32" for n in head)
+
+
+def test_cli_doctor_names_the_overflowing_op_and_fixes_it():
+    out = ok("doctor", f"{OVERFLOW}:make")
+    assert "[fp16]" in out and "first Inf/NaN: node 'mul_1' (aten.mul.Tensor" in out
+    assert "beyond FP16 range (|x| > 65504): node 'mul_1'" in out
+    assert "proposed pins: fp32_modules=" in out and "re-run [fp16] with pins: fixed" in out
+
+
+def test_cli_doctor_clean_model_needs_no_pins():
+    out = ok("doctor", f"{MODELS}:tiny", "--dtype", "bf16")
+    assert "first Inf/NaN: none" in out and "no pins needed" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["inspect", "nope/missing.py:make"], "no such file: 'nope/missing.py'"),
+    (["inspect", "no_such_pkg_xyz:make"], "cannot import module 'no_such_pkg_xyz'"),
+    (["inspect", f"{MODELS}:broken"], "failed: RuntimeError: weights not found"),
+    (["inspect", f"{MODELS}:absent"], "has no callable 'absent'"),
+    (["inspect", f"{MODELS}:tiny_model_only"], "returned no example inputs"),
+    (["inspect", f"{MODELS}:tiny_model_only", "--input", "2by8"], "write SHAPE[:DTYPE"),
+    (["inspect", f"{MODELS}"], "must be 'package.module:factory'"),
+    (["inspect", f"{MODELS}:tiny", "--format", "svg"], "invalid choice: 'svg'"),
+    (["inspect", "missing.onnx"], "no such file: 'missing.onnx'"),
+    (["doctor", f"{MODELS}:broken"], "weights not found"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_cli_errors_exit_2_with_one_line(args, message):
+    res = cli(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["doctor"], ["demo"]])
+def test_cli_help_on_every_command(command):
+    out = ok(*command, "--help")
+    assert "usage: amp-compiler" in out
+
+
+def _bf16_onnx(path, with_reduce=False):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=T.BFLOAT16),
+             helper.make_node("MatMul", ["xb", "w"], ["m"]),
+             helper.make_node("Cast", ["m"], ["mf"], to=T.FLOAT),
+             helper.make_node("Softmax", ["mf"], ["y"], axis=-1)]
+    if with_reduce:
+        nodes.append(helper.make_node("ReduceMean", ["m"], ["r"], keepdims=1))
+    w = helper.make_tensor("w", T.BFLOAT16, [4, 4], [0x3F80] * 16)
+    outputs = [helper.make_tensor_value_info("y", T.FLOAT, [2, 4])]
+    if with_reduce:
+        outputs.append(helper.make_tensor_value_info("r", T.BFLOAT16, None))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])], outputs,
+                          initializer=[w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]), str(path))
+
+
+def test_cli_inspect_onnx_histogram_casts_and_kernels(tmp_path):
+    path = tmp_path / "m.onnx"
+    _bf16_onnx(path, with_reduce=True)
+    report = json.loads(ok("inspect", str(path), "--ep", "cpu", "--format", "json"))
+    hist = {(h["op"], h["dtype"]): h["count"] for h in report["histogram"]}
+    assert hist[("MatMul", "bf16")] == 1 and hist[("Softmax", "fp32")] == 1
+    assert report["casts"] == {"fp32->bf16": 1, "bf16->fp32": 1}
+    cpu_bad = {u["op"] for u in report["unsupported"]}
+    assert cpu_bad == {"MatMul", "ReduceMean"}
+    cuda = json.loads(ok("inspect", str(path), "--ep", "cuda", "--format", "json"))
+    assert {u["op"] for u in cuda["unsupported"]} == {"ReduceMean"}
+    assert "no CPU kernel" in ok("inspect", str(path), "--ep", "cpu")
+
+
+def test_cli_demo_runs_and_compares(tmp_path):
+    out = ok("demo", "--steps", "4", "--inner", "eager")
+    assert "Precision plan: bf16" in out and "amp speed vs FP32" in out and "amp-bf16" in out
