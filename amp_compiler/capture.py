@@ -53,4 +53,13 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple
 
     inputs, fake_mode = fake_inputs(example_inputs)
     with fx_traceback.preserve_node_meta(), fake_mode:
-        return make_fx(run, pre_dispatch=True)(*inputs), fake_mode
+        aten_gm = make_fx(run, pre_dispatch=True)(*inputs)
+    # make_fx names inputs arg0_1...; keep Dynamo's (l_self_modules_fc_parameters_weight_)
+    # so plans say which parameter a cast reads.
+    theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ours = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    if len(theirs) == len(ours):
+        for mine, source in zip(ours, theirs):
+            mine._rename(source.name)
+        aten_gm.recompile()
+    return aten_gm, fake_mode

@@ -60,7 +60,7 @@ def test_insert_casts_weight_cast_once_for_two_readers():
     """A weight read by two matmuls is cast once; the bf16 sum goes back to fp32 at the output."""
     gm, _ = rewrite(lambda x, y, w: (x @ w) + (y @ w), x, x.clone(), w)
     sources = [s for s, _ in cast_pairs(gm)]
-    assert sorted(sources[:3]) == ["arg0_1", "arg1_1", "arg2_1"]  # the weight once
+    assert sorted(sources[:3]) == ["w", "x", "y"]  # the weight once
     assert len(casts(gm)) == 4  # x, y, w -> bf16; result -> fp32
     assert out_dtypes(gm) == [fp32]
 
