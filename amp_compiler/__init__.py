@@ -8,6 +8,7 @@
 from .backend import AmpBackend, CompileRecord, amp
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
+from .onnx_export import ExportError, ExportReport, export_onnx
 from .options import AmpOptions, AmpOptionsError
 from .passes import AmpVerifyError
 from .plan import GraphPlan, NodePlan, PrecisionPlan
@@ -16,7 +17,7 @@ from .scaler import LossScaler
 from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
 
 __all__ = [
-    "AlertEvent", "AmpBackend", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
+    "AlertEvent", "AmpBackend", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
     "AmpVerifyError", "CompileRecord", "GraphPlan", "LossScaler", "MasterWeightsError",
     "NodePlan", "NonFiniteMonitor", "Policy", "Precision", "PrecisionPlan", "StepResult",
     "TrainStep", "amp", "explain", "make_train_step",

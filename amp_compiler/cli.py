@@ -4,6 +4,7 @@
     amp-compiler inspect path/to/file.py:factory --input 2x128:int64
     amp-compiler inspect model.onnx --ep cuda
     amp-compiler doctor pkg.module:factory
+    amp-compiler export pkg.module:factory -o model.onnx [--dtype bf16] [--target cuda]
     amp-compiler demo
 
 Bad arguments, a missing file or a failing factory exit with status 2 and one
@@ -112,6 +113,46 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .onnx_export import ExportError, export_onnx
+    from .target import load_target
+
+    if not args.output.endswith(".onnx"):
+        raise CliError(f"-o {args.output!r}: the output file must end in .onnx")
+    model, margs, mkwargs = load_target(args.target, args.input)
+    dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
+    try:
+        report = export_onnx(model, margs, args.output, kwargs=mkwargs, dtype=args.dtype,
+                             target=args.target_ep, dynamic_shapes=dynamic, opset=args.opset,
+                             check=not args.no_check, low_precision_io=args.low_precision_io,
+                             options=_options(args))
+    except ValueError as e:  # a refused dtype/target combination
+        raise CliError(str(e)) from None
+    except ExportError as e:
+        sys.stderr.write(f"amp-compiler: export failed, nothing written: {e}\n")
+        return 1
+    print(report.format())
+    return 0
+
+
+def _dynamic_shapes(specs: list[str], args: tuple, kwargs: dict):
+    """'0:batch' / '1:seq' (axis:name) applied to every tensor input, e.g. --dynamic 0:batch."""
+    from torch.export import Dim
+
+    axes = {}
+    for spec in specs:
+        axis, _, name = spec.partition(":")
+        if not axis.isdigit() or not name.isidentifier():
+            raise CliError(f"--dynamic {spec!r}: write AXIS:NAME, e.g. 0:batch or 1:seq")
+        axes[int(axis)] = Dim(name)
+
+    def one(t):
+        return {a: d for a, d in axes.items() if a < t.dim()} if hasattr(t, "dim") else None
+
+    return (tuple(one(a) for a in args) if not kwargs
+            else {k: one(v) for k, v in kwargs.items()} if not args else None)
+
+
 def cmd_demo(args) -> int:
     from .demo import print_demo
 
@@ -153,6 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="how many worst nodes to list")
     p.set_defaults(func=cmd_doctor)
 
+    p = sub.add_parser("export", help="export a BF16 inference graph to ONNX for ONNX Runtime",
+                       description="Export the model through the amp plan to ONNX; checks structure, "
+                       "onnx.checker and numbers before the file appears.")
+    target_args(p)
+    p.set_defaults(output=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--target", dest="target_ep", choices=["cuda", "cpu"], default="cuda",
+                   help="ONNX Runtime provider the graph is for")
+    p.add_argument("--dynamic", action="append", metavar="AXIS:NAME",
+                   help="dynamic axis of every input, e.g. 0:batch (repeatable)")
+    p.add_argument("--opset", type=int, default=None)
+    p.add_argument("--low-precision-io", action="store_true", help="keep inputs/outputs in 16 bit")
+    p.add_argument("--no-check", action="store_true", help="skip the structure and parity checks")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("demo", help="train a small built-in model in FP32 and with amp, side by side",
                        description="Train a small transformer with FP32 and with the amp training "
                        "step; print losses, the plan summary and the speed ratio.")
@@ -166,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "export" and not args.output:
+        parser.error("export needs -o FILE.onnx")
     if getattr(args, "dtype", None) is None and args.command == "doctor":
         args.dtype = ["bf16", "fp16"]
     try:

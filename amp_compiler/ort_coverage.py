@@ -96,3 +96,33 @@ def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
         if not has_kernel(node.op_type, dtype, ep):
             report.unsupported.append((node.name or node.output[0], node.op_type, dtype))
     return report
+
+
+def export_fp32_pins(target: str) -> dict:
+    """ATen ops the policy may leave in BF16 whose ONNX lowering cannot take BF16.
+
+    Two sources: ONNX's own type constraints (SplitToSequence, which the exporter
+    uses for ``split``, has no bfloat16), and the ORT CUDA kernels missing above.
+    A BF16 export pins them to FP32 (op -> reason).
+    """
+    import torch
+
+    aten = torch.ops.aten
+    pins = {op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export"
+            for op in (aten.split, aten.split_with_sizes)}
+    if target == "cuda":
+        pins.update(_cuda_pins(aten))
+    return pins
+
+
+def _cuda_pins(aten) -> dict:
+    lowering = {
+        "Pad": (aten.pad, aten.constant_pad_nd, aten.reflection_pad1d, aten.reflection_pad2d,
+                aten.replication_pad1d, aten.replication_pad2d),
+        "Resize": (aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.upsample_nearest1d,
+                   aten.upsample_linear1d),
+        "ReduceMax": (aten.amax, aten.max),
+        "ReduceMin": (aten.amin, aten.min),
+    }
+    return {op: f"no BF16 {onnx_op} kernel on ORT {ORT_VERSION} CUDA: FP32 in the export"
+            for onnx_op, ops in lowering.items() for op in ops}

@@ -141,6 +141,7 @@ PASSTHROUGH_OPS = frozenset({
     aten.new_empty, aten.new_full, aten.zeros, aten.ones, aten.full, aten.empty,
     aten.arange, aten.scalar_tensor, aten.one_hot, aten.fill, aten.copy_, aten.fill_,
     aten.zero_, aten.item, aten._local_scalar_dense, aten.sym_size,
+    aten._assert_tensor_metadata, aten._assert_async, aten._assert_scalar,
     # dropout: a mask and a scale
     aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout,
     aten.bernoulli,
@@ -228,6 +229,7 @@ class Policy:
     low_dtype: torch.dtype = torch.bfloat16
     overrides: Mapping[Precision, frozenset] = field(default_factory=dict)
     removed: frozenset = frozenset()
+    reasons: Mapping[object, str] = field(default_factory=dict)  # why an override was made
 
     def __post_init__(self) -> None:
         tables = {p: set(ops) for p, ops in TABLES.items()}
@@ -271,6 +273,7 @@ class Policy:
         promote_ops: Iterable = (),
         passthrough_ops: Iterable = (),
         remove_ops: Iterable = (),
+        reasons: Mapping[object, str] | None = None,
     ) -> Policy:
         overrides = {
             Precision.LOW: frozenset(map(resolve_op, low_ops)),
@@ -288,7 +291,8 @@ class Policy:
                     )
                 seen[op] = precision
         return cls(low_dtype, {p: o for p, o in overrides.items() if o},
-                   frozenset(map(resolve_op, remove_ops)))
+                   frozenset(map(resolve_op, remove_ops)),
+                   {resolve_op(k): v for k, v in (reasons or {}).items()})
 
 
 # One line of "why" per group, shown on every node the group decides.
@@ -308,6 +312,8 @@ _FP16_WHY = "can overflow FP16's 65504: FP32 under fp16 (BF16 has FP32's range)"
 
 def why(packet: object, precision: Precision, policy: Policy) -> str:
     """The human reason a table gives for an op."""
+    if packet in policy.reasons:
+        return policy.reasons[packet]
     for p, ops in policy.overrides.items():
         if packet in ops:
             return f"user override: in {p.value.lower()}_ops"

@@ -1,0 +1,200 @@
+"""BF16 ONNX export: same plan, BF16 weights, structure, checker, parity, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from amp_compiler import ExportError, export_onnx
+from amp_compiler.onnx_export import emulate_low
+
+from conftest import ConvNet, TinyLM
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+from onnx import TensorProto  # noqa: E402
+
+LOW_OPS = {"MatMul", "Gemm", "Conv"}
+FP32_OPS = {"Softmax", "LayerNormalization", "ReduceMean", "ReduceSum", "ReduceMax",
+            "BatchNormalization"}
+ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def types_of(path):
+    model = onnx.shape_inference.infer_shapes(onnx.load(path))
+    g = model.graph
+    t = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.output) + list(g.value_info)}
+    t.update({i.name: i.data_type for i in g.initializer})
+    return model, t
+
+
+def assert_follows_plan(path):
+    """Independent of the exporter's own check: MatMul/Gemm/Conv take BF16, norms/softmax FP32."""
+    model, t = types_of(path)
+    low = [n for n in model.graph.node if n.op_type in LOW_OPS]
+    assert low
+    for n in low:
+        assert all(t[x] == TensorProto.BFLOAT16 for x in n.input if x), (n.name, n.op_type)
+    for n in model.graph.node:
+        if n.op_type in FP32_OPS:
+            assert t[n.input[0]] == TensorProto.FLOAT, (n.name, n.op_type)
+    assert t[model.graph.input[0].name] in (TensorProto.FLOAT, TensorProto.INT64)
+    assert all(t[o.name] == TensorProto.FLOAT for o in model.graph.output)
+
+
+def fp32_export_bytes(model):
+    return sum(p.numel() * 4 for p in model.state_dict().values() if p.is_floating_point())
+
+
+def reference_evaluator_matches(path, feeds, expected, tol=0.05):
+    """onnx's ReferenceEvaluator computes the BF16 graph with BF16 arrays (ml_dtypes)."""
+    from onnx.reference import ReferenceEvaluator
+
+    got = ReferenceEvaluator(onnx.load(path)).run(None, feeds)[0]
+    err = (torch.as_tensor(got).float() - expected).abs().max() / expected.abs().max()
+    assert err < tol, err
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64))
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=100))
+
+
+def bert():
+    return transformers.BertModel(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100))
+
+
+CASES = {
+    "gpt2": (gpt2, (ids,), {"use_cache": False}),
+    "llama": (llama, (ids,), {"use_cache": False}),
+    "bert_encoder": (bert, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
+    "softmax_attention": (lambda: TinyLM(vocab=100), (ids,), {}),
+    "sdpa": (lambda: TinyLM(vocab=100, sdpa=True), (ids,), {}),
+    "cnn_batchnorm": (ConvNet, (torch.randn(2, 3, 16, 16),), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_bf16_follows_plan_half_weights_parity(name, tmp_path):
+    factory, args, kwargs = CASES[name]
+    torch.manual_seed(0)
+    model = factory()
+    path = str(tmp_path / f"{name}.onnx")
+    report = export_onnx(model, args, path, kwargs=kwargs)
+    assert os.path.exists(path) and report.structure["low_matmul_conv"] > 0
+    onnx.checker.check_model(path, full_check=True)
+    assert_follows_plan(path)
+    assert report.weight_bytes <= 0.6 * fp32_export_bytes(model), report.weight_ratio
+    p = report.parity
+    assert p["vs_fp32_max_rel"] < 0.05 and p["negative_control_diff"] > 0
+    assert p["vs_amp_torch_max_rel"] < 0.02
+    if name in ("softmax_attention", "cnn_batchnorm"):
+        x = args[0]
+        with torch.no_grad():
+            expected = model.eval()(x)
+        reference_evaluator_matches(path, {onnx.load(path).graph.input[0].name: x.numpy()}, expected)
+
+
+def test_export_dynamic_batch_and_sequence(tmp_path):
+    from torch.export import Dim
+
+    model = llama()
+    path = str(tmp_path / "dyn.onnx")
+    batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=256)
+    export_onnx(model, (), path, kwargs={"input_ids": ids, "use_cache": False},
+                dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None})
+    m = onnx.load(path)
+    dims = [d.dim_param for d in m.graph.input[0].type.tensor_type.shape.dim]
+    assert all(dims), dims
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(emulate_low(m).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    x = torch.randint(0, 100, (3, 9))
+    out = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        ref = model.eval()(input_ids=x, use_cache=False).logits
+    assert out.shape == tuple(ref.shape)
+    assert abs(out - ref.numpy()).max() / ref.abs().max() < 0.05
+
+
+def test_export_bf16_for_cpu_is_refused_and_writes_nothing(tmp_path):
+    path = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=r"CPU provider cannot run BF16.*dtype='fp32'.*dtype='fp16'"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(path), target="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_fp16_for_cpu_runs_on_ort_cpu(tmp_path):
+    path = str(tmp_path / "m16.onnx")
+    report = export_onnx(TinyLM(vocab=100), (ids,), path, dtype="fp16", target="cpu")
+    assert report.parity["method"] == "ORT CPUExecutionProvider"
+    assert report.parity["vs_fp32_max_rel"] < 0.01
+
+
+def test_export_failure_leaves_nothing(tmp_path):
+    """A parity check that fails (tolerance 0) raises and leaves no file behind."""
+    with pytest.raises(ExportError, match="differs from the FP32 model"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "m.onnx"), tolerance=0.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_cuda_pins_ops_without_bf16_kernels(tmp_path):
+    """Pad has no BF16 kernel on ORT CUDA: the export keeps it FP32, with the reason."""
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.pad(self.fc(x), (1, 1)).amax(-1)
+
+    report = export_onnx(Padded(), (torch.randn(2, 8),), str(tmp_path / "p.onnx"))
+    pad = [n for n in report.plan.nodes if n.op.startswith("aten.pad")]
+    assert pad and pad[0].precision == "FP32" and "Pad kernel on ORT" in pad[0].reason
+    _, t = types_of(str(tmp_path / "p.onnx"))
+    model = onnx.load(str(tmp_path / "p.onnx"))
+    for n in model.graph.node:
+        if n.op_type in ("Pad", "ReduceMax"):
+            assert t[n.input[0]] == TensorProto.FLOAT
+
+
+def test_export_low_precision_io(tmp_path):
+    path = str(tmp_path / "io.onnx")
+    export_onnx(TinyLM(vocab=100), (ids,), path, low_precision_io=True)
+    _, t = types_of(path)
+    assert t[onnx.load(path).graph.output[0].name] == TensorProto.BFLOAT16
+
+
+def test_export_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ExportError, match="does not exist"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "nope" / "m.onnx"))
+
+
+def test_cli_export_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
+    out = tmp_path / "cli.onnx"
+    res = subprocess.run([sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny",
+                          "-o", str(out), "--dynamic", "0:batch"], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "wrote" in res.stdout and "0.5" in res.stdout and out.exists()
+    bad = subprocess.run([sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny",
+                          "-o", str(tmp_path / "x.onnx"), "--target", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "CPU provider cannot run BF16" in bad.stderr
+    assert not (tmp_path / "x.onnx").exists()
