@@ -61,25 +61,51 @@ class LossScaler(GradScaler):
         self._hysteresis_left: torch.Tensor | None = None
         self._init_hysteresis_left = hysteresis
         self._last_skipped: bool | None = None
-        self.skipped_steps = 0
+        self._pending_found: torch.Tensor | None = None
+        self._skipped_steps = 0
 
     @property
     def last_step_skipped(self) -> bool | None:
-        """Whether the last ``step()`` skipped ``optimizer.step()`` (None before any step)."""
+        """Whether the last ``step()`` skipped ``optimizer.step()`` (None before any step).
+
+        With a fused optimizer (which checks Inf/NaN on the device itself) the
+        answer is read from the device on first access, not during ``step()``.
+        """
+        if self._pending_found is not None:
+            self._last_skipped = bool(self._pending_found.item())
+            self._skipped_steps += self._last_skipped
+            self._pending_found = None
         return self._last_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        self.last_step_skipped  # noqa: B018 - resolves a pending fused-optimizer answer
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args: Any, **kwargs: Any):
         found = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
         self._last_skipped = bool(found)
+        self._stepped_on_host = True
         if self._last_skipped:
-            self.skipped_steps += 1
+            self._skipped_steps += 1
             return None
         return optimizer.step(*args, **kwargs)
 
     def step(self, optimizer, *args: Any, **kwargs: Any):
         if not self._enabled:
             self._last_skipped = False
-        return super().step(optimizer, *args, **kwargs)
+            return super().step(optimizer, *args, **kwargs)
+        self.last_step_skipped  # noqa: B018 - settle the previous step first
+        self._stepped_on_host = False
+        retval = super().step(optimizer, *args, **kwargs)
+        if not self._stepped_on_host:  # fused optimizer: it skipped (or not) on the device
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            self._pending_found = sum(found) if found else None
+        return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:

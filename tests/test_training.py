@@ -383,3 +383,21 @@ def test_max_grad_norm_clips():
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert r.grad_norm > 0.5
     assert (after - before).norm() <= 0.5 + 1e-4
+
+
+def test_loss_scaler_skip_signal_with_fused_optimizer():
+    """A fused optimizer skips on the device; the signal is read from there on first access."""
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([p], lr=0.1, fused=True)
+    s = LossScaler("cpu", init_scale=64.0)
+    for bad in (False, True):
+        before = p.detach().clone()
+        opt.zero_grad()
+        s.scale(p.sum()).backward()
+        if bad:
+            p.grad[0] = float("inf")
+        s.step(opt)
+        s.update()
+        assert s.last_step_skipped is bad
+        assert torch.equal(p, before) is bad
+    assert s.skipped_steps == 1 and s.get_scale() == 32.0
