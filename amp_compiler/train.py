@@ -25,6 +25,7 @@ import torch
 
 from .backend import AmpBackend
 from .device import resolve_dtype
+from .distributed import agree_on_dtype, check_same_plan
 from .monitor import NonFiniteMonitor
 from .scaler import LossScaler
 
@@ -59,6 +60,7 @@ class TrainStep:
         self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
         self.compiled = torch.compile(model, backend=backend)
         self.micro_step = 0
+        self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -71,6 +73,8 @@ class TrainStep:
             output = self.compiled(*inputs)
         else:
             output = self.compiled(inputs)
+        if self.plan_fingerprint is None:
+            self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = self.loss_fn(output, *targets).float()
         self.scaler.scale(loss / self.grad_accum).backward()
         self.micro_step += 1
@@ -156,7 +160,8 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError("pass dtype to make_train_step itself, not in compile_options")
     from .options import AmpOptions
 
-    choice, reason = resolve_dtype(AmpOptions(dtype=dtype).dtype, device)
+    requested = AmpOptions(dtype=dtype).dtype
+    choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
     log.info("amp training step: %s (%s)", choice, reason)
     if scaler is None:
         scaler = LossScaler(device.type, dtype=choice)

@@ -1,0 +1,71 @@
+"""All ranks of a distributed job run one precision plan.
+
+Mixed dtypes across ranks (BF16 on one card, FP16 on another) make gradient
+all-reduce combine incompatible numbers and training diverges; the design note
+says to configure precision once, globally. Two checks, used by
+``make_train_step`` whenever ``torch.distributed`` is initialised:
+
+- ``agree_on_dtype``: with ``dtype="auto"`` every rank probes its own device;
+  if any rank lacks BF16, all ranks fall back to FP16 together. An explicit
+  dtype that differs between ranks is an error.
+- ``check_same_plan``: after the first compile, the plans' fingerprints (every
+  node's op and precision) are compared; a difference names the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+
+from .plan import PrecisionPlan
+
+
+class PrecisionMismatchError(RuntimeError):
+    """Ranks of one job would train in different precisions."""
+
+
+def _active(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _gather(value, group=None) -> list:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tuple[str, str]:
+    """One dtype for every rank (see the module docstring); returns (choice, reason)."""
+    if not _active(group):
+        return choice, reason
+    choices = _gather((choice, requested, reason), group)
+    if requested != "auto":
+        if len({c for c, _, _ in choices}) > 1:
+            ranks = ", ".join(f"rank {i}: {c}" for i, (c, _, _) in enumerate(choices))
+            raise PrecisionMismatchError(
+                f"ranks were given different dtypes ({ranks}); every rank must train in one "
+                "precision: pass the same dtype everywhere, or dtype='auto' to agree automatically")
+        return choice, reason
+    if any(c == "fp16" for c, _, _ in choices):
+        first = next(i for i, (c, _, _) in enumerate(choices) if c == "fp16")
+        return "fp16", (f"auto, agreed across {len(choices)} ranks: rank {first} has no BF16 "
+                        f"({choices[first][2]}); every rank uses FP16 with loss scaling")
+    return choice, f"{reason}; agreed across {len(choices)} ranks"
+
+
+def plan_fingerprint(plan: PrecisionPlan) -> str:
+    text = "\n".join(f"{n.graph}:{n.op}:{n.precision}:{n.dtype}" for n in plan.nodes)
+    return hashlib.sha256(f"{plan.dtype}\n{text}".encode()).hexdigest()[:16]
+
+
+def check_same_plan(plan: PrecisionPlan, group=None) -> str:
+    """Raise PrecisionMismatchError unless every rank compiled the same plan; returns the fingerprint."""
+    mine = plan_fingerprint(plan)
+    if not _active(group):
+        return mine
+    prints = _gather((mine, plan.dtype, plan.summary()["nodes"]), group)
+    if len({p for p, _, _ in prints}) > 1:
+        detail = "; ".join(f"rank {i}: {d} {n} [{p}]" for i, (p, d, n) in enumerate(prints))
+        raise PrecisionMismatchError(f"ranks compiled different precision plans: {detail}")
+    return mine
