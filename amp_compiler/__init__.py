@@ -6,6 +6,7 @@
 """
 
 from .backend import AmpBackend, CompileRecord, amp
+from .distributed import PrecisionMismatchError
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
 from .onnx_export import ExportError, ExportReport, export_onnx
@@ -19,7 +20,7 @@ from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
 __all__ = [
     "AlertEvent", "AmpBackend", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
     "AmpVerifyError", "CompileRecord", "GraphPlan", "LossScaler", "MasterWeightsError",
-    "NodePlan", "NonFiniteMonitor", "Policy", "Precision", "PrecisionPlan", "StepResult",
+    "NodePlan", "NonFiniteMonitor", "Policy", "PrecisionMismatchError", "Precision", "PrecisionPlan", "StepResult",
     "TrainStep", "amp", "explain", "make_train_step",
 ]
 __version__ = "0.1.0"

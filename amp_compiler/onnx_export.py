@@ -238,7 +238,7 @@ def _store_low_weights(ep, low: torch.dtype, fake_mode) -> None:
             with graph.inserting_after(lookup):
                 up = graph.call_function(torch.ops.aten._to_copy.default, (lookup,),
                                          {"dtype": torch.float32})
-            lookup.replace_all_uses_with(up, delete_user_cb=lambda n: n is not up)
+            lookup.replace_all_uses_with(up, delete_user_cb=lambda n, up=up: n is not up)
             up.meta[META_KEY] = NodeInfo(Precision.FP32, "embedding rows from a 16-bit table, back to fp32",
                                          inserted=True, planned=torch.float32, orig=torch.float32)
             up.meta["val"] = lookup.meta["val"]

@@ -76,7 +76,7 @@ def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -
                      "<th>dtype</th><th>inputs</th><th>reason</th></tr>")
         casts = {f"g{rec.index}_{n.name}" for n in rec.graph.graph.nodes
                  if info(n) is not None and info(n).inserted}
-        for nid, label, kind, i, inputs, node in _rows(rec):
+        for nid, _label, kind, i, inputs, node in _rows(rec):
             ins = ", ".join(
                 f"<span class='cast'>{esc(x.split('_', 1)[1])}</span>" if x in casts
                 else esc(x.split("_", 1)[1]) for x in inputs)

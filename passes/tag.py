@@ -22,7 +22,7 @@ from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import AmpPolicyError, Precision, why
 
 from .graph_util import (
-    AMP_FLOATS, USER_CAST_OPS, explicit_dtype, is_view, mutated_inputs, node_dtype,
+    AMP_FLOATS, USER_CAST_OPS, explicit_dtype, mutated_inputs, node_dtype,
     region_name, tensor_inputs, widest,
 )
 from .infra import PassContext, PassResult
@@ -62,7 +62,7 @@ def _promoted(inputs: list[torch.fx.Node]) -> torch.dtype | None:
 
 
 class _Tagger:
-    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
+    def __init__(self, ctx: PassContext):
         self.ctx = ctx
         self.low = ctx.low_dtype
         self.patterns = [(p, re.compile(p)) for p in ctx.options.fp32_modules]
@@ -218,7 +218,7 @@ def _op_name(node: torch.fx.Node) -> str:
 
 def tag_precision(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Give every node a precision and a reason under ``node.meta["amp"]``."""
-    tagger = _Tagger(gm, ctx)
+    tagger = _Tagger(ctx)
     modified = False
     for node in gm.graph.nodes:
         old = info(node)

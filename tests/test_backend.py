@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_compiler
-from amp_compiler import AmpBackend, AmpOptionsError, Precision
+from amp_compiler import AmpBackend, AmpOptionsError
 
 from conftest import MLP, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
 
