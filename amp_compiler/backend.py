@@ -38,8 +38,11 @@ class AmpBackend:
 
     Keyword options are those of ``AmpOptions``. ``records`` holds one
     ``CompileRecord`` per graph compiled (several after graph breaks or
-    recompiles); ``plan()`` merges their plans.
+    recompiles), the newest ``max_records`` of them (each holds its graph);
+    ``plan()`` merges their plans.
     """
+
+    max_records = 1024
 
     def __init__(self, options: AmpOptions | dict | None = None, **kwargs: Any):
         if isinstance(options, AmpOptions):
@@ -47,6 +50,7 @@ class AmpBackend:
         else:
             self.options = AmpOptions.from_mapping(options, **kwargs)
         self.records: list[CompileRecord] = []
+        self.compiled = 0  # graphs compiled so far, records dropped or not
         self.pipeline = PIPELINE
 
     def __repr__(self) -> str:
@@ -65,11 +69,13 @@ class AmpBackend:
         dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
         aten_gm, fake_mode = to_aten(gm, example_inputs)
         ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
-                          fake_mode=fake_mode, graph_index=len(self.records))
+                          fake_mode=fake_mode, graph_index=self.compiled)
         passes = run_pipeline(aten_gm, ctx, self.pipeline)
         aten_gm.recompile()
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
+        self.compiled += 1
         self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
+        del self.records[:-self.max_records]
         s = plan.summary()
         log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", ctx.graph_index,
                  s["nodes"]["LOW"], sum(s["nodes"].values()), dtype, s["nodes"]["FP32"],
@@ -81,6 +87,7 @@ class AmpBackend:
 
     def reset(self) -> None:
         self.records.clear()
+        self.compiled = 0
 
 
 def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:

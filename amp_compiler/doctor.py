@@ -101,7 +101,7 @@ def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
     def backend(gm, example_inputs):
         ref_gm, _ = to_aten(gm, example_inputs)
         amp_gm = amp.rewrite(gm, example_inputs)
-        index = len(amp.records) - 1
+        index = amp.compiled - 1
 
         def run(*real):
             ref = _Recorder(ref_gm, lambda n: True)

@@ -65,3 +65,20 @@ def test_backend_records_each_graph():
     assert [p.name for p in rec.passes] == ["tag_precision", "insert_casts", "fold_casts",
                                             "verify_plan"]
     assert isinstance(rec.graph, torch.fx.GraphModule)
+
+
+def test_backend_keeps_newest_records_only():
+    """Long jobs recompile; the backend keeps the newest max_records graphs, indices keep counting."""
+    backend = amp_compiler.AmpBackend(inner="eager")
+    backend.max_records = 2
+
+    def f(x, w):
+        x = torch.softmax(x @ w, -1)
+        torch._dynamo.graph_break()
+        x = torch.softmax(x @ w, -1)
+        torch._dynamo.graph_break()
+        return x @ w
+
+    torch.compile(f, backend=backend)(torch.randn(2, 4), torch.randn(4, 4))
+    assert backend.compiled == 3
+    assert [r.index for r in backend.records] == [1, 2]
