@@ -7,7 +7,8 @@
       "dtype": "bf16" | "fp16",
       "nodes": [ { "graph": int, "name": str, "op": str, "module": str,
                    "precision": "LOW" | "FP32" | "PROMOTE" | "PASSTHROUGH",
-                   "reason": str, "dtype": str, "casts": [str, ...] }, ... ],
+                   "reason": str, "compute_dtype": str, "dtype": str,
+                   "casts": [str, ...] }, ... ],
       "casts": [ { "graph": int, "name": str, "source": str, "to": str,
                    "for": str, "bytes": int | null }, ... ],
       "summary": { "graphs": int, "nodes": {precision: count}, "casts": int,
@@ -17,7 +18,9 @@
     }
 
 ``nodes`` lists the graphs' ATen ops (placeholders, outputs and inserted casts
-excluded); ``dtype`` is the node's output dtype after the rewrite; ``casts``
+excluded); ``compute_dtype`` is the dtype the op computes in ("bf16" for LOW
+under BF16, "fp32" for FP32, the widest input for PROMOTE, what arrives for
+PASSTHROUGH); ``dtype`` is its output dtype after the rewrite; ``casts``
 names the casts inserted in front of it; ``bytes`` is null under dynamic shapes.
 """
 
@@ -42,6 +45,7 @@ class NodePlan:
     module: str
     precision: str
     reason: str
+    compute_dtype: str
     dtype: str
     casts: tuple[str, ...] = ()
 
@@ -83,13 +87,24 @@ class GraphPlan:
                 continue
             if i.unknown or i.reason.startswith("unknown op"):
                 unknown[i.op] += 1
+            compute = i.compute if i.compute is not None else _arriving(node)
             plan.nodes.append(NodePlan(index, node.name, i.op, i.module, i.precision.value,
-                                       i.reason, dtype_name(i.planned), tuple(i.casts)))
+                                       i.reason, dtype_name(compute), dtype_name(i.planned),
+                                       tuple(i.casts)))
         plan.unknown_ops = dict(unknown)
         return plan
 
     def summary(self) -> dict:
         return _summary([self])
+
+
+def _arriving(node: torch.fx.Node) -> object:
+    """The floating dtype a PASSTHROUGH node's inputs arrive in (its output's if none)."""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            return val.dtype
+    return info(node).planned
 
 
 def _nbytes(node: torch.fx.Node) -> int | None:
@@ -163,9 +178,9 @@ class PrecisionPlan:
                 f"{s['casts']} casts inserted{mb}{unknown}")
 
     def format_table(self) -> str:
-        rows = [("graph", "node", "op", "module", "precision", "dtype", "casts", "reason")]
-        rows += [(str(n.graph), n.name, n.op, n.module or "-", n.precision, n.dtype,
-                  ",".join(n.casts) or "-", n.reason) for n in self.nodes]
+        rows = [("graph", "node", "op", "module", "precision", "computes", "out", "casts", "reason")]
+        rows += [(str(n.graph), n.name, n.op, n.module or "-", n.precision, n.compute_dtype,
+                  n.dtype, ",".join(n.casts) or "-", n.reason) for n in self.nodes]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
         return "\n".join(lines + ["", self.format_summary()])

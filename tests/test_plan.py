@@ -28,7 +28,10 @@ def test_plan_to_dict_is_json_with_documented_schema():
     d = json.loads(json.dumps(amp_compiler.explain(TinyLM(), ids).to_dict()))
     assert d["schema"] == SCHEMA and d["dtype"] == "bf16"
     assert set(d["nodes"][0]) == {"graph", "name", "op", "module", "precision", "reason",
-                                  "dtype", "casts"}
+                                  "compute_dtype", "dtype", "casts"}
+    by_op = {n["op"]: n for n in d["nodes"]}
+    assert by_op["aten.linear.default"]["compute_dtype"] == "bf16"
+    assert by_op["aten.softmax.int"]["compute_dtype"] == "fp32"
     assert set(d["summary"]) == {"graphs", "nodes", "casts", "cast_bytes", "unknown_ops"}
     assert set(d["casts"][0]) == {"graph", "name", "source", "to", "for", "bytes"}
     assert d["summary"]["casts"] == len(d["casts"])
