@@ -85,7 +85,7 @@ class GraphPlan:
                 continue
             if not isinstance(node.target, torch._ops.OpOverload):
                 continue
-            if i.unknown or i.reason.startswith("unknown op"):
+            if i.unknown:
                 unknown[i.op] += 1
             compute = i.compute if i.compute is not None else _arriving(node)
             plan.nodes.append(NodePlan(index, node.name, i.op, i.module, i.precision.value,

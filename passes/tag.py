@@ -28,6 +28,7 @@ from .graph_util import (
 from .infra import PassContext, PassResult
 
 log = logging.getLogger(__name__)
+_UNKNOWN = "unknown op"
 _MODULE_KEY = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]\.?")
 
 
@@ -101,11 +102,13 @@ class _Tagger:
                     orig=self.orig(node), region=self.region)
         precision, reason, compute = self.decide(node, modules)
         planned = self.plan(node, precision, compute, base["orig"])
-        return NodeInfo(precision, reason, compute=compute, planned=planned, **base)
+        return NodeInfo(precision, reason, compute=compute, planned=planned,
+                        unknown=reason.startswith(_UNKNOWN), **base)
 
     def decide(self, node, modules):
         if node.op == "placeholder":
-            kind = "parameter (FP32 master copy)" if "parameters" in node.name else "graph input"
+            is_param = "parameters" in node.name or node.name.startswith("p_")  # Dynamo / torch.export
+            kind = "parameter (FP32 master copy)" if is_param else "graph input"
             return Precision.PASSTHROUGH, f"{kind}: keeps its dtype", None
         if node.op == "output":
             return Precision.PASSTHROUGH, "graph output: returned in the FP32 model's dtype", None
@@ -136,7 +139,7 @@ class _Tagger:
                     "passthrough_ops, or set strict=False to run it in FP32"
                 )
             self.unknown[_op_name(node)] += 1
-            table, reason = Precision.FP32, "unknown op: FP32 by default (classify it with the *_ops options)"
+            table, reason = Precision.FP32, f"{_UNKNOWN}: FP32 by default (classify it with the *_ops options)"
         else:
             reason = why(packet, table, self.ctx.policy)
 
