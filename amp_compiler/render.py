@@ -57,8 +57,45 @@ h1{font-size:20px} table{border-collapse:collapse;font-size:13px;width:100%}
 td,th{border:1px solid #ccc;padding:4px 6px;text-align:left;vertical-align:top}
 th{background:#f4f4f4;position:sticky;top:0} .b{padding:1px 6px;border-radius:8px;font-weight:600}
 tr.CAST td{background:#fff7ec;font-style:italic} code{font-size:12px}
-.legend span{margin-right:12px} .in{color:#555} .in .cast{color:#e07000;font-weight:600}
+.legend span{margin-right:12px} .graph{overflow:auto;max-height:70vh;border:1px solid #ddd;margin-bottom:16px} .in{color:#555} .in .cast{color:#e07000;font-weight:600}
 """
+
+
+def to_svg(record: CompileRecord, box_w: int = 170, box_h: int = 34, gap_x: int = 14,
+           gap_y: int = 34) -> str:
+    """The graph drawn in layers, coloured by precision.
+
+    Layers are networkx topological generations of the reversed graph (each node
+    as late as possible), so a weight and its cast sit just above their reader.
+    """
+    import networkx as nx
+
+    rows = {nid: (label, kind, inputs) for nid, label, kind, _, inputs, _ in _rows(record)}
+    g = nx.DiGraph()
+    g.add_nodes_from(rows)
+    g.add_edges_from((src, nid) for nid, (_, _, inputs) in rows.items() for src in inputs if src in rows)
+    layers = list(nx.topological_generations(g.reverse(copy=False)))[::-1]
+    pos = {nid: (12 + i * (box_w + gap_x), 12 + depth * (box_h + gap_y))
+           for depth, layer in enumerate(layers) for i, nid in enumerate(layer)}
+    width = 24 + max(len(layer) for layer in layers) * (box_w + gap_x)
+    height = 24 + len(layers) * (box_h + gap_y)
+    esc = html.escape
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+           f"font-family='Helvetica,Arial,sans-serif' font-size='10'>"]
+    for src, dst in g.edges:
+        (x1, y1), (x2, y2) = pos[src], pos[dst]
+        out.append(f"<line x1='{x1 + box_w / 2}' y1='{y1 + box_h}' x2='{x2 + box_w / 2}' y2='{y2}' "
+                   "stroke='#999' stroke-width='1'/>")
+    for nid, (label, kind, _) in rows.items():
+        x, y = pos[nid]
+        dash = " stroke-dasharray='4 2' stroke='#e07000'" if kind == "CAST" else " stroke='#666'"
+        out.append(f"<g><title>{esc(' | '.join(label))}</title><rect x='{x}' y='{y}' width='{box_w}' "
+                   f"height='{box_h}' rx='6' fill='{COLORS[kind]}'{dash}/>")
+        for k, line in enumerate(label[:2]):
+            out.append(f"<text x='{x + 6}' y='{y + 14 + 12 * k}'>{esc(line[:28])}</text>")
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
 
 
 def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -> str:
@@ -72,6 +109,7 @@ def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -
                  for k, c in COLORS.items()) + "</p>"]
     for rec in records:
         parts.append(f"<h2>graph {rec.index} &mdash; {esc(rec.dtype)} ({esc(rec.dtype_reason)})</h2>")
+        parts.append(f"<div class='graph'>{to_svg(rec)}</div>")
         parts.append("<table><tr><th>node</th><th>op</th><th>module</th><th>precision</th>"
                      "<th>dtype</th><th>inputs</th><th>reason</th></tr>")
         casts = {f"g{rec.index}_{n.name}" for n in rec.graph.graph.nodes
