@@ -29,7 +29,9 @@ from .infra import PassContext, PassResult
 
 log = logging.getLogger(__name__)
 _UNKNOWN = "unknown op"
-_MODULE_KEY = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]\.?")
+# The root of a Dynamo source: L['self'], G['model'], or L['args'][0] when the
+# compiled frame is a wrapper that received the module positionally.
+_MODULE_KEY = re.compile(r"^[LG]\[['\"](?:args['\"]\]\[\d+|[^'\"]+['\"])\]\.?")
 
 
 def module_path(node: torch.fx.Node) -> list[str]:
