@@ -147,11 +147,12 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            if not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
+            fresh = "val" not in node.meta  # a node a pass just created
+            if not fresh and not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
                 continue
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             new = node.target(*args, **kwargs)
-            if val_dtype(new) != val_dtype(node.meta.get("val")) or node in changed or \
+            if fresh or val_dtype(new) != val_dtype(node.meta.get("val")) or \
                     any(i in changed for i in node.all_input_nodes):
                 changed.add(node)
             node.meta["val"] = new

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import amp_compiler
 from amp_compiler import AmpBackend, AmpOptionsError
 
-from conftest import MLP, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
+from conftest import MLP, Attention, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
@@ -362,9 +362,10 @@ def test_dump_dir_writes_graph_after_each_pass(tmp_path):
     torch.compile(MLP(), backend=AmpBackend(inner="eager", dump_dir=str(tmp_path)))(
         torch.randn(2, 16))
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["graph0_0_tag_precision.txt", "graph0_1_insert_casts.txt",
-                     "graph0_2_fold_casts.txt", "graph0_3_verify_plan.txt"]
-    assert "_to_copy" in (tmp_path / "graph0_1_insert_casts.txt").read_text()
+    assert names == ["graph0_0_decompose_attention.txt", "graph0_1_tag_precision.txt",
+                     "graph0_2_insert_casts.txt", "graph0_3_fold_casts.txt",
+                     "graph0_4_verify_plan.txt"]
+    assert "_to_copy" in (tmp_path / "graph0_2_insert_casts.txt").read_text()
 
 
 @pytest.mark.parametrize("mode", ["train", "eval_no_grad"])
@@ -383,3 +384,36 @@ def test_nn_transformer_train_and_fast_path(mode):
     torch.testing.assert_close(out, ref, atol=0.05, rtol=0.05)
     s = backend.plan().summary()
     assert s["unknown_ops"] == {} and s["nodes"]["LOW"] >= 6
+
+
+class BiasedAttention(nn.Module):
+    """Attention with a learned position bias as the SDPA mask (T5, Swin)."""
+
+    def __init__(self, d=16, heads=2, t=6):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.bias = nn.Parameter(torch.randn(heads, t, t) * 0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum()
+
+
+def test_cpu_sdpa_with_trainable_mask_is_decomposed_so_matmuls_run_bf16():
+    """PyTorch's CPU math fallback would upcast to FP32; the decomposed form runs as planned."""
+    model, x = BiasedAttention(), torch.randn(2, 6, 16)
+    rec, backend, ref = check_against_fp32(model, (x,))
+    plan = backend.plan()
+    assert not plan.by_op("aten.scaled_dot_product_attention")
+    assert [n.precision for n in plan.by_op("aten.matmul")] == ["LOW", "LOW"]
+    assert plan.by_op("aten.softmax")[0].precision == "FP32"
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm, aten.mm))
+    assert model.bias.grad is not None and model.bias.grad.dtype == torch.float32
+
+
+def test_sdpa_without_trainable_mask_stays_fused():
+    backend = AmpBackend(inner="eager")
+    torch.compile(Attention(sdpa=True), backend=backend)(torch.randn(2, 6, 32)).sum().backward()
+    assert [n.precision for n in backend.plan().by_op("aten.scaled_dot_product_attention")] == ["LOW"]
