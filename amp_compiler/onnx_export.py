@@ -92,7 +92,7 @@ def export_onnx(model: torch.nn.Module, args: tuple, path: str, *, kwargs: dict 
     """
     _validate(dtype, target)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    kwargs = dict(kwargs or {})
+    kwargs = _in_signature_order(model, dict(kwargs or {}))
     opset = opset or 22  # BF16 Conv needs opset 22
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -344,15 +344,18 @@ def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict
     return {"low_matmul_conv": low_mm, "fp32_matmul_conv": fp32_mm, "checker": "full_check passed"}
 
 
+def _in_signature_order(model, kwargs: dict) -> dict:
+    """Keyword inputs in the order of ``forward``'s parameters, as torch.export lists them."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return kwargs
+    return {k: kwargs[k] for k in names if k in kwargs} | kwargs
+
+
 def _flat_user_inputs(ep, args, kwargs) -> dict[str, torch.Tensor]:
     """ONNX input name -> tensor, in the exported program's input order."""
-    ordered = kwargs
-    try:
-        names = list(inspect.signature(ep.module().forward).parameters)
-        ordered = {k: kwargs[k] for k in names if k in kwargs} | kwargs
-    except (TypeError, ValueError):
-        pass
-    flat = [t for t in pytree.tree_leaves((args, ordered)) if isinstance(t, torch.Tensor)]
+    flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     return dict(zip(user, flat))
 
