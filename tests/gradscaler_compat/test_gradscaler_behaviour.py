@@ -60,78 +60,59 @@ def run_case(scaler_cls, run, unskipped, skipped, optimizer=(torch.optim.SGD, {}
             torch.testing.assert_close(c, s, atol=atol, rtol=1e-5)
 
 
-def basic(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
-    for i, (x, target) in enumerate(data):
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), target)
-        if try_scaling_api:
-            scaler.scale(loss).backward()
-            if i == skip_iter and scaler.is_enabled():
-                model[1].weight.grad.data.fill_(float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            if not scaler.is_enabled() or i != skip_iter:
-                optimizer.step()
+def training_loop(clip_norm=None, penalty=False):
+    """One run over the data, scaled or as the unscaled control; iteration ``skip_iter``
+    gets an Inf in the scaled run's gradients and is skipped by hand in the control.
+
+    clip_norm: clip after unscale_ (scaled) / after backward (control).
+    penalty: add a gradient-norm penalty computed from (unscaled) first-order grads.
+    """
+
+    def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
+        for i, (x, target) in enumerate(data):
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), target)
+            if penalty:
+                if try_scaling_api:
+                    grads = torch.autograd.grad(scaler.scale(loss), model.parameters(),
+                                                create_graph=True)
+                    grads = [g * (1.0 / scaler.get_scale()) for g in grads]
+                else:
+                    grads = torch.autograd.grad(loss, model.parameters(), create_graph=True)
+                loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
+            if try_scaling_api:
+                scaler.scale(loss).backward()
+                if i == skip_iter and scaler.is_enabled():
+                    model[1].weight.grad.data.fill_(float("inf"))
+                if clip_norm is not None:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                if not scaler.is_enabled() or i != skip_iter:
+                    optimizer.step()
+
+    return run
 
 
 @pytest.mark.parametrize("scaler_cls", SCALERS.values(), ids=SCALERS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o[0].__name__}{o[1]}")
 def test_scaling_skips_the_bad_iteration_and_matches_control(scaler_cls, optimizer):
-    run_case(scaler_cls, basic, unskipped=3, skipped=1, optimizer=optimizer)
+    run_case(scaler_cls, training_loop(), unskipped=3, skipped=1, optimizer=optimizer)
 
 
 @pytest.mark.parametrize("scaler_cls", SCALERS.values(), ids=SCALERS)
 def test_scaling_with_clipping_after_unscale(scaler_cls):
-    max_norm = 0.2
-
-    def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
-        for i, (x, target) in enumerate(data):
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), target)
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                if i == skip_iter and scaler.is_enabled():
-                    model[1].weight.grad.data.fill_(float("inf"))
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if not scaler.is_enabled() or i != skip_iter:
-                    optimizer.step()
-
-    run_case(scaler_cls, run, unskipped=3, skipped=1, atol=1e-5)
+    run_case(scaler_cls, training_loop(clip_norm=0.2), unskipped=3, skipped=1, atol=1e-5)
 
 
 @pytest.mark.parametrize("scaler_cls", SCALERS.values(), ids=SCALERS)
 def test_scaling_gradient_penalty(scaler_cls):
-    def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
-        for i, (x, target) in enumerate(data):
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), target)
-            if try_scaling_api:
-                grads = torch.autograd.grad(scaler.scale(loss), model.parameters(), create_graph=True)
-                inv = 1.0 / scaler.get_scale()
-                grads = [g * inv for g in grads]
-            else:
-                grads = torch.autograd.grad(loss, model.parameters(), create_graph=True)
-            loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                if i == skip_iter and scaler.is_enabled():
-                    model[1].weight.grad.data.fill_(float("inf"))
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if not scaler.is_enabled() or i != skip_iter:
-                    optimizer.step()
-
-    run_case(scaler_cls, run, unskipped=3, skipped=1, atol=1e-5)
+    run_case(scaler_cls, training_loop(penalty=True), unskipped=3, skipped=1, atol=1e-5)
 
 
 @pytest.mark.parametrize("scaler_cls", SCALERS.values(), ids=SCALERS)
