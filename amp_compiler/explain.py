@@ -40,10 +40,6 @@ def trace(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16", options
 
 def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
             options: dict | None = None, **kwargs: Any) -> PrecisionPlan:
-    """Trace ``model(*args, **kwargs)`` through the amp passes and return the plan.
-
-    The model is run once, without gradients, on the rewritten graphs (so graph
-    breaks are followed); its buffers (BatchNorm running stats) are restored
-    afterwards, so explaining changes nothing.
-    """
+    """The precision plan of ``model(*args, **kwargs)``: ``trace`` it and merge the plans
+    of every graph (graph breaks are followed). Changes nothing in the model."""
     return trace(model, *args, dtype=dtype, options=options, **kwargs).plan()

@@ -30,7 +30,7 @@ from amp_compiler.passes.graph_util import is_inserted_cast, refresh_vals
 
 from .meta import META_KEY, NodeInfo
 from .options import AmpOptions
-from .ort_coverage import ORT_VERSION, export_fp32_pins, has_kernel
+from .ort_coverage import FLOAT_NAMES, ORT_VERSION, export_fp32_pins, has_kernel, value_types
 from .plan import GraphPlan
 from .policy import LOW_DTYPES, Precision
 
@@ -151,19 +151,14 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
         ep = ep.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: _sdpa_math})
     fp32_bytes = sum(t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point())
     gm = ep.graph_module
-    plan_dtype = dtype if dtype != "fp32" else "bf16"
     if dtype == "fp32":
         for node in gm.graph.nodes:
             node.meta[META_KEY] = NodeInfo(Precision.FP32, "fp32 export: no rewrite")
         return ep, GraphPlan.from_graph(gm, 0, "fp32", "dtype='fp32' requested"), fp32_bytes
     opts = AmpOptions.from_mapping(options, dtype=dtype, low_precision_outputs=low_io)
-    pins = export_fp32_pins(target) if dtype == "bf16" else {}
-    base = opts.policy(LOW_DTYPES[plan_dtype])
-    policy = type(base).build(
-        base.low_dtype, low_ops=opts.low_ops, promote_ops=opts.promote_ops,
-        passthrough_ops=opts.passthrough_ops, remove_ops=opts.remove_ops,
-        fp32_ops=tuple(opts.fp32_ops) + tuple(p for p in pins if p not in set(opts.fp32_ops)),
-        reasons=pins)
+    policy = opts.policy(LOW_DTYPES[dtype])
+    if dtype == "bf16":
+        policy = policy.with_fp32(export_fp32_pins(target))
     fake_mode = torch._guards.detect_fake_mode(
         [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
     ctx = PassContext(policy=policy, options=opts, fake_mode=fake_mode)
@@ -171,7 +166,7 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
         run_pipeline(gm, ctx, PIPELINE)
     except Exception as e:
         raise ExportError(f"amp pipeline failed: {e}") from e
-    _store_low_weights(ep, LOW_DTYPES[plan_dtype], fake_mode)
+    _store_low_weights(ep, LOW_DTYPES[dtype], fake_mode)
     _sync_output_specs(ep)
     gm.recompile()
     return ep, GraphPlan.from_graph(gm, 0, dtype, f"export for {target}"), fp32_bytes
@@ -293,21 +288,6 @@ def _move_into_place(tmp: str, path: str) -> str | None:
 
 # ---- checks ---------------------------------------------------------------------------------
 
-def _value_types(model) -> dict[str, int]:
-    import onnx
-
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output) + list(g.value_info)}
-    types.update({i.name: i.data_type for i in g.initializer})
-    for node in g.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    types[node.output[0]] = a.t.data_type
-    return types
-
-
 def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict:
     """onnx.checker (full), every node's dtypes against the plan, and the target's kernels."""
     import onnx
@@ -318,13 +298,12 @@ def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict
     except Exception as e:
         raise ExportError(f"onnx.checker rejected the export: {str(e).splitlines()[0]}") from e
     model = onnx.load(path, load_external_data=False)
-    types = _value_types(model)
+    types = value_types(model)
     low = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}.get(dtype)
-    names = {TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT16: "fp16", TensorProto.FLOAT: "fp32"}
     low_mm, fp32_mm, problems = 0, 0, []
     for node in model.graph.node:
         ins = [types.get(x) for x in node.input if x]
-        node_dtype = names.get(ins[0] if ins else None, "-")
+        node_dtype = FLOAT_NAMES.get(ins[0] if ins else None, "-")
         if node.op_type in LOW_ONNX_OPS:
             if low is not None and all(t == low for t in ins):
                 low_mm += 1
@@ -386,7 +365,7 @@ def emulate_low(model, round_values: bool = True):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    types = _value_types(model)
+    types = value_types(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     low_types = (TensorProto.BFLOAT16, TensorProto.FLOAT16)

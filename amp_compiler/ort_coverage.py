@@ -26,7 +26,7 @@ CUDA_BF16_MISSING = frozenset({
     "LogSoftmax", "Reciprocal", "Pad", "Resize", "BatchNormalization",
 })
 EPS = ("cpu", "cuda")
-_FLOAT_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
+FLOAT_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}  # ONNX elem types
 
 
 def has_kernel(op_type: str, dtype: str, ep: str) -> bool:
@@ -68,30 +68,46 @@ class OnnxReport:
         return "\n".join(lines)
 
 
+def value_types(model, best_effort: bool = False) -> dict[str, int]:
+    """Value name -> ONNX elem type, from shape inference, initializers and Constants.
+
+    With ``best_effort`` a failing shape inference leaves the declared types only.
+    """
+    import onnx
+
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        if not best_effort:
+            raise
+    g = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type
+             for vi in list(g.input) + list(g.output) + list(g.value_info)}
+    types.update({i.name: i.data_type for i in g.initializer})
+    for node in g.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    types[node.output[0]] = a.t.data_type
+    return types
+
+
 def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
     """Per-op dtype histogram, casts, and nodes the provider cannot run in their dtype."""
     import onnx
 
     model = onnx.load(path, load_external_data=False)
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # inference is best effort; declared types still count
-        pass
-    types = {}
+    types = value_types(model, best_effort=True)
     g = model.graph
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        types[vi.name] = vi.type.tensor_type.elem_type
-    for init in g.initializer:
-        types[init.name] = init.data_type
     report = OnnxReport(path, ep)
     for node in g.node:
-        dts = [_FLOAT_NAMES.get(types.get(x)) for x in list(node.input) + list(node.output) if x]
+        dts = [FLOAT_NAMES.get(types.get(x)) for x in list(node.input) + list(node.output) if x]
         floats = [d for d in dts if d]
         dtype = "bf16" if "bf16" in floats else (floats[0] if floats else "-")
         if node.op_type == "Cast":
-            src = _FLOAT_NAMES.get(types.get(node.input[0]), "?")
+            src = FLOAT_NAMES.get(types.get(node.input[0]), "?")
             to = next((a.i for a in node.attribute if a.name == "to"), None)
-            report.casts[f"{src}->{_FLOAT_NAMES.get(to, str(to))}"] += 1
+            report.casts[f"{src}->{FLOAT_NAMES.get(to, str(to))}"] += 1
         report.histogram[(node.op_type, dtype)] += 1
         if not has_kernel(node.op_type, dtype, ep):
             report.unsupported.append((node.name or node.output[0], node.op_type, dtype))

@@ -263,6 +263,16 @@ class Policy:
             return EXTERNAL_OPS.get(getattr(packet, "_qualified_op_name", None))
         return self._lookup.get(packet)
 
+    def with_fp32(self, pins: Mapping[object, str]) -> Policy:
+        """This policy with ``pins`` (op -> reason) forced to FP32, unless the user already
+        chose FP32 for them (their own reason then stands)."""
+        user_fp32 = self.overrides.get(Precision.FP32, frozenset())
+        new = {op: why for op, why in pins.items() if op not in user_fp32}
+        overrides = {p: ops - set(new) for p, ops in self.overrides.items()}
+        overrides[Precision.FP32] = user_fp32 | set(new)
+        return Policy(self.low_dtype, {p: o for p, o in overrides.items() if o}, self.removed,
+                      {**self.reasons, **new})
+
     @classmethod
     def build(
         cls,

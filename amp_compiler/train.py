@@ -27,6 +27,7 @@ from .backend import AmpBackend
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, check_same_plan
 from .monitor import NonFiniteMonitor
+from .options import AmpOptions
 from .scaler import LossScaler
 
 log = logging.getLogger("amp_compiler")
@@ -158,8 +159,6 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     options = dict(compile_options or {})
     if "dtype" in options:
         raise ValueError("pass dtype to make_train_step itself, not in compile_options")
-    from .options import AmpOptions
-
     requested = AmpOptions(dtype=dtype).dtype
     choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
     log.info("amp training step: %s (%s)", choice, reason)

@@ -79,7 +79,7 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
             if a.get("dropout_p", 0.0):
                 weights = call(aten.dropout.default, (weights, a["dropout_p"], True))
             out = call(aten.matmul.default, (weights, v))
-        _copy_meta(graph, node, out)
+        _copy_meta(node, out)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         done += 1
@@ -90,7 +90,7 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     return PassResult(done > 0, {"decomposed": done} if done else {})
 
 
-def _copy_meta(graph: torch.fx.Graph, old: torch.fx.Node, last: torch.fx.Node) -> None:
+def _copy_meta(old: torch.fx.Node, last: torch.fx.Node) -> None:
     """The new nodes (between the inputs and ``last``) inherit the module stack of ``old``."""
     node = last
     while node is not None and node is not old and "val" not in node.meta:

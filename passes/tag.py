@@ -124,7 +124,7 @@ class _Tagger:
         if any(d in (torch.float64, torch.complex64, torch.complex128) for d in orig_in):
             return Precision.PASSTHROUGH, "float64/complex input: left untouched", None
         if node.target in USER_CAST_OPS:
-            return self.user_cast(node, inputs)
+            return self.user_cast(node)
         if torch.float32 not in orig_in:
             if any(d in AMP_FLOATS for d in orig_in):
                 return Precision.PASSTHROUGH, "input already 16-bit by the model's own cast: left as written", None
@@ -171,7 +171,7 @@ class _Tagger:
             return table, f"{reason} ({dtype_name(compute)})", compute
         return table, reason, None
 
-    def user_cast(self, node, inputs):
+    def user_cast(self, node):
         self.ctx.user_casts.add(node.name)
         if node.target is torch.ops.aten.to.device:
             return Precision.PASSTHROUGH, "device move: keeps the dtype that arrives", None
