@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
+from amp_compiler.passes.faithful import check_gradient_flow
 
-from .capture import to_aten
+from .capture import fake_inputs, to_aten
 from .device import device_of, resolve_dtype
 from .options import AmpOptions
 from .plan import GraphPlan, PrecisionPlan
@@ -72,6 +73,7 @@ class AmpBackend:
                           fake_mode=fake_mode, graph_index=self.compiled)
         passes = run_pipeline(aten_gm, ctx, self.pipeline)
         aten_gm.recompile()
+        check_gradient_flow(gm, aten_gm, fake_inputs(example_inputs)[0], fake_mode)
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
         self.compiled += 1
         self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))

@@ -5,6 +5,10 @@ Pre-dispatch tracing runs above autograd: the graph holds forward ATen ops
 differentiates whatever we hand it. So casts inserted here get matching
 backward casts and saved activations are stored in the low dtype. Module
 stacks and stack traces are carried over so plans can name modules.
+
+Higher-order ops are never traced through blindly (``hops.py`` says how each
+is treated): a REWRITE body is traced to ATen on its own and kept as a
+subgraph, an OPAQUE op is recorded as the node Dynamo gave, bodies untouched.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing, get_proxy_mode, make_fx, track_tensor_tree,
+)
+from torch.utils import _pytree as pytree
+
+from .hops import HopKind, treatment
 
 
 def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
@@ -45,21 +54,76 @@ def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
     return out, fake_mode
 
 
+class _Capture(torch.fx.Interpreter):
+    """Runs a Dynamo graph under make_fx, handling higher-order ops by ``hops.treatment``."""
+
+    def call_function(self, target, args, kwargs):
+        if not isinstance(target, torch._ops.HigherOrderOperator):
+            return super().call_function(target, args, kwargs)
+        kind, _ = treatment(target)
+        if kind is HopKind.INLINE:
+            body, operands = _body_and_operands(target, args)
+            return _Capture(body).run(*operands)
+        bodies = {}
+        if kind is HopKind.REWRITE:
+            from torch._higher_order_ops.utils import reenter_make_fx
+
+            body, operands = args[0], args[1:]
+            flat, _ = pytree.tree_flatten(operands)
+            new = reenter_make_fx(lambda *a: _Capture(body).run(*a))(*flat)
+            _keep_names(body, new)
+            new.meta.update({k: v for k, v in body.meta.items() if k.startswith("_checkpoint")})
+            new.meta["amp_rewrite"] = True
+            bodies[id(body)] = new
+        return _record(target, args, kwargs, bodies)
+
+
+def _body_and_operands(target, args):
+    if target.name() == "invoke_subgraph":  # (subgraph, identifier, *operands)
+        return args[0], args[2:]
+    return args[0], args[1:]
+
+
+def _record(target, args, kwargs, bodies):
+    """Put ``target(*args, **kwargs)`` into the trace as one node; ``bodies`` swaps subgraphs."""
+    mode = get_proxy_mode()
+    tracer = mode.tracer
+    with disable_proxy_modes_tracing():
+        example_out = target(*args, **kwargs)
+
+    def to_proxy(value):
+        if isinstance(value, torch.nn.Module):
+            value = bodies.get(id(value), value)
+            name = tracer.get_fresh_qualname(f"{target.name()}_body")
+            tracer.root.register_module(name, value)
+            return value
+        return tracer.unwrap_proxy(value)
+
+    proxy_args = pytree.tree_map(to_proxy, args)
+    proxy_kwargs = pytree.tree_map(to_proxy, kwargs)
+    out_proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
+    return track_tensor_tree(example_out, out_proxy, constant=None, tracer=tracer)
+
+
+def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
+    """make_fx names inputs arg0_1...; keep Dynamo's (l_self_modules_fc_parameters_weight_)
+    so plans say which parameter a cast reads."""
+    theirs = [n for n in source.graph.nodes if n.op == "placeholder"]
+    ours = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(theirs) == len(ours):
+        for mine, src in zip(ours, theirs):
+            mine._rename(src.name)
+        traced.recompile()
+
+
 def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple[torch.fx.GraphModule, object]:
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake mode)."""
 
     def run(*args):
-        return torch.fx.Interpreter(gm).run(*args)
+        return _Capture(gm).run(*args)
 
     inputs, fake_mode = fake_inputs(example_inputs)
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True)(*inputs)
-    # make_fx names inputs arg0_1...; keep Dynamo's (l_self_modules_fc_parameters_weight_)
-    # so plans say which parameter a cast reads.
-    theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ours = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    if len(theirs) == len(ours):
-        for mine, source in zip(ours, theirs):
-            mine._rename(source.name)
-        aten_gm.recompile()
+    _keep_names(gm, aten_gm)
     return aten_gm, fake_mode

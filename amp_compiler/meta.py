@@ -19,7 +19,11 @@ class NodeInfo:
         nodes, or None for non-tensors); planned: the same after it.
     compute: the dtype every floating input must arrive in (None: no
         requirement, as for PASSTHROUGH).
+    boundary: every floating input must arrive in the dtype the FP32 program
+        gave it (higher-order ops: their bodies see the program as written).
     casts: names of the casts inserted in front of this node.
+    constants: scalar arguments to replace (argument index or name -> value):
+        FP32's extreme as a fill becomes the low dtype's extreme.
     """
 
     precision: Precision
@@ -31,9 +35,11 @@ class NodeInfo:
     compute: torch.dtype | None = None
     region: int = 0
     inserted: bool = False
+    boundary: bool = False
     unknown: bool = False
     user_cast: bool = False
     casts: list[str] = field(default_factory=list)
+    constants: dict = field(default_factory=dict)
 
 
 def info(node: torch.fx.Node) -> NodeInfo | None:

@@ -118,6 +118,15 @@ def explicit_dtype(node: torch.fx.Node) -> object:
     return None
 
 
+def wanted_dtype(node_info: NodeInfo, src: torch.fx.Node) -> object:
+    """The dtype a tagged node needs input ``src`` in: its compute dtype, or at a
+    boundary the dtype the FP32 program gave ``src``."""
+    if node_info.boundary:
+        src_info = src.meta.get(META_KEY)
+        return src_info.orig if src_info is not None else val_dtype(src.meta.get("val"))
+    return node_info.compute
+
+
 def widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     """fp32 beats the 16-bit types; between bf16 and fp16 torch promotes to fp32."""
     floats = {d for d in dtypes if d in AMP_FLOATS}
@@ -150,9 +159,16 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             fresh = "val" not in node.meta  # a node a pass just created
             if not fresh and not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
                 continue
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n))
             new = node.target(*args, **kwargs)
             if fresh or val_dtype(new) != val_dtype(node.meta.get("val")) or \
                     any(i in changed for i in node.all_input_nodes):
                 changed.add(node)
             node.meta["val"] = new
+
+
+def _value(gm: torch.fx.GraphModule, node: torch.fx.Node) -> object:
+    """A node's fake value; a subgraph (get_attr) is the module itself."""
+    if node.op == "get_attr":
+        return torch.fx.graph_module._get_attr(gm, node.target)
+    return node.meta.get("val")

@@ -6,10 +6,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from amp_compiler.hops import rewritten_bodies
 from amp_compiler.options import AmpOptions
 from amp_compiler.policy import Policy
 
@@ -53,8 +54,19 @@ Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 def run_pipeline(
     gm: torch.fx.GraphModule, ctx: PassContext, pipeline: Sequence[Pass]
 ) -> list[PassRecord]:
-    """Run passes in order; record name, time, nodes added/removed, modified."""
+    """Run passes in order; record name, time, nodes added/removed, modified.
+
+    Subgraphs the capture marked for rewriting (checkpoint bodies) go through
+    the same pipeline first, as graphs of their own whose outputs keep the FP32
+    program's dtypes; their records are named ``<body>/<pass>``.
+    """
     records = []
+    for name, body in rewritten_bodies(gm):
+        body_ctx = replace(ctx, user_casts=set(),
+                           options=ctx.options.replace(low_precision_outputs=False))
+        for rec in run_pipeline(body, body_ctx, pipeline):
+            records.append(replace(rec, name=f"{name}/{rec.name}"))
+        body.recompile()
     for step, p in enumerate(pipeline):
         before = {id(n) for n in gm.graph.nodes}
         t0 = time.perf_counter()

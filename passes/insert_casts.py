@@ -6,7 +6,9 @@ the graph with one grad/autocast mode), so each weight is cast once per step
 however many ops read it; the cast sits just before its first reader. Values
 written in place are the exception: their cast would go stale, so each reader
 gets a fresh one. Inputs an op writes to are never cast. Graph outputs go back
-to the dtype the FP32 model returns unless ``low_precision_outputs``.
+to the dtype the FP32 model returns unless ``low_precision_outputs``. At a
+higher-order op's boundary inputs go back to the FP32 program's dtypes. Scalar
+constants the tagger refitted to the low dtype's range are written here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
-from .graph_util import AMP_FLOATS, CAST_OP, mutated_inputs, refresh_vals, tensor_inputs, volatile_values
+from .graph_util import (
+    AMP_FLOATS, CAST_OP, mutated_inputs, refresh_vals, tensor_inputs, volatile_values, wanted_dtype,
+)
 from .infra import PassContext, PassResult
 
 
@@ -43,7 +47,7 @@ def insert_casts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     volatile = volatile_values(graph)
     cache: dict[tuple, torch.fx.Node] = {}
-    added = 0
+    added = refills = 0
 
     def cast_for(src, dtype, consumer, region, why):
         nonlocal added
@@ -64,21 +68,29 @@ def insert_casts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             if not ctx.options.low_precision_outputs:
                 _restore_outputs(node, cast_for)
             continue
-        if node_info.compute is None:
+        for where, value in node_info.constants.items():
+            if isinstance(where, int):
+                node.update_arg(where, value)
+            else:
+                node.update_kwarg(where, value)
+            refills += 1
+        if node_info.compute is None and not node_info.boundary:
             continue
         written = mutated_inputs(node)
         for src in tensor_inputs(node):
             have = info(src).planned if info(src) else src.meta["val"].dtype
-            if src in written or have not in AMP_FLOATS or have == node_info.compute:
+            want = wanted_dtype(node_info, src)
+            if src in written or have not in AMP_FLOATS or want not in AMP_FLOATS or have == want:
                 continue
-            why = f"{src.name} {dtype_name(have)} -> {dtype_name(node_info.compute)} for {node.name} ({node_info.precision})"
-            cast = cast_for(src, node_info.compute, node, node_info.region, why)
+            why = f"{src.name} {dtype_name(have)} -> {dtype_name(want)} for {node.name} ({node_info.precision})"
+            cast = cast_for(src, want, node, node_info.region, why)
             node.replace_input_with(src, cast)
             node_info.casts.append(cast.name)
     if added:
         refresh_vals(gm, ctx.fake_mode)
         graph.lint()
-    return PassResult(added > 0, {"casts_inserted": added})
+    detail = {"casts_inserted": added, **({"constants_refitted": refills} if refills else {})}
+    return PassResult(added + refills > 0, detail)
 
 
 def _restore_outputs(output: torch.fx.Node, cast_for) -> None:

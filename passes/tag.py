@@ -12,12 +12,14 @@ which inputs need a cast. Writes ``node.meta["amp"]`` and nothing else.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import re
 from collections import Counter
 
 import torch
 
+from amp_compiler.hops import HopKind, is_hop, treatment
 from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import AmpPolicyError, Precision, why
 
@@ -102,9 +104,31 @@ class _Tagger:
         modules = module_path(node)
         base = dict(op=_op_name(node), module=modules[-1] if modules else "",
                     orig=self.orig(node), region=self.region)
+        if is_hop(node):
+            kind, reason = treatment(node.target)
+            precision = Precision.FP32 if kind is HopKind.OPAQUE else Precision.PASSTHROUGH
+            return NodeInfo(precision, reason, planned=base["orig"], boundary=True, **base)
         precision, reason, compute = self.decide(node, modules)
         planned = self.plan(node, precision, compute, base["orig"])
-        return NodeInfo(precision, reason, compute=compute, planned=planned,
+        constants = {}
+        low = compute or planned
+        big = _overflowing_constants(node, low) if base["orig"] == torch.float32 else {}
+        if big:
+            if all(abs(v) >= _FP32_MAX for v in big.values()):
+                # finfo(float32).min as a mask fill means "the lowest value there is".
+                constants = {k: math.copysign(torch.finfo(low).max, v) for k, v in big.items()}
+                reason += (f"; fill {_values(big)} (FP32's extreme, baked in from the FP32 "
+                           f"model) becomes {dtype_name(low)}'s extreme")
+            elif mutated_inputs(node):
+                raise AmpPolicyError(
+                    f"node '{node.name}' writes the constant {_values(big)} into a "
+                    f"{dtype_name(low)} tensor, which cannot hold it; pin its module with "
+                    "fp32_modules so the tensor stays FP32")
+            else:
+                precision, compute = Precision.FP32, torch.float32
+                reason = f"constant {_values(big)} does not fit {dtype_name(low)}: FP32 (was: {reason})"
+                planned = self.plan(node, precision, compute, base["orig"])
+        return NodeInfo(precision, reason, compute=compute, planned=planned, constants=constants,
                         unknown=reason.startswith(_UNKNOWN), **base)
 
     def decide(self, node, modules):
@@ -154,13 +178,16 @@ class _Tagger:
                            for r in node.target._schema.returns):
             target = self.planned(next(iter(written)))
             wanted = {Precision.LOW: self.low, Precision.FP32: torch.float32}.get(table, target)
+            # The write happens in the written tensor's dtype; other floating inputs
+            # (a copy_ source, index_put_ values) are cast to it once.
+            compute = target if target in AMP_FLOATS else None
             if wanted != target:
                 return (Precision.PASSTHROUGH,
                         f"in-place op writes a {dtype_name(target)} tensor: runs in its dtype "
-                        f"(policy says {table}; write it out of place to change that)", None)
+                        f"(policy says {table}; write it out of place to change that)", compute)
             if table is Precision.PASSTHROUGH:
-                return table, f"in-place: runs in the dtype of the tensor it writes ({dtype_name(target)})", None
-            return table, f"{reason}; in-place, writes a {dtype_name(target)} tensor", target
+                return table, f"in-place: runs in the dtype of the tensor it writes ({dtype_name(target)})", compute
+            return table, f"{reason}; in-place, writes a {dtype_name(target)} tensor", compute
 
         if table is Precision.LOW:
             return table, f"{reason} ({dtype_name(self.low)})", self.low
@@ -210,6 +237,40 @@ class _Tagger:
             return follow if d == torch.float32 else d
 
         return tuple(one(d) for d in orig) if isinstance(orig, tuple) else one(orig)
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_NUMBER_ARGS = {"number", "Optional[number]", "float", "Optional[float]", "Tensor"}
+_FILLS = {torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default,
+          torch.ops.aten.full_like.default, torch.ops.aten.new_full.default}
+
+
+def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
+    """Finite constants the node computes with that ``dtype`` (16-bit) cannot hold.
+
+    Python scalars in its arguments by argument index or name; an input made
+    by ``full``/``scalar_tensor`` with such a value counts too (keyed by the
+    input's name, never rewritten: such a node runs in FP32 instead).
+    """
+    if dtype not in (torch.bfloat16, torch.float16) or not isinstance(node.target, torch._ops.OpOverload):
+        return {}
+    limit = torch.finfo(dtype).max
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        key = i if i < len(node.args) else arg.name
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if str(arg.type) in _NUMBER_ARGS and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and math.isfinite(value) and abs(value) > limit:
+            out[key] = float(value)
+        elif isinstance(value, torch.fx.Node) and value.target in _FILLS:
+            fill = value.args[0] if value.target is torch.ops.aten.scalar_tensor.default else value.args[1]
+            if isinstance(fill, (int, float)) and math.isfinite(fill) and abs(fill) > limit:
+                out[value.name] = -limit  # never rewritten: forces FP32
+    return out
+
+
+def _values(big: dict) -> str:
+    return ", ".join(f"{v:.4g}" for v in big.values())
 
 
 def _op_name(node: torch.fx.Node) -> str:

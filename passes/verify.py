@@ -18,7 +18,9 @@ import torch
 
 from amp_compiler.meta import dtype_name, info
 
-from .graph_util import AMP_FLOATS, is_inserted_cast, mutated_inputs, node_dtype, tensor_inputs, volatile_values
+from .graph_util import (
+    AMP_FLOATS, is_inserted_cast, mutated_inputs, node_dtype, tensor_inputs, volatile_values, wanted_dtype,
+)
 from .infra import PassContext, PassResult
 
 
@@ -71,12 +73,12 @@ def verify_plan(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 _fail(node, f"'{src.name}' is cast to {dtype_name(key[1])} twice in one region")
             seen.add(key)
             continue
-        if i.compute is None:
+        if i.compute is None and not i.boundary:
             continue
         written = mutated_inputs(node)
         for src in tensor_inputs(node):
-            have = node_dtype(src)
-            if src not in written and have in AMP_FLOATS and have != i.compute:
+            have, want = node_dtype(src), wanted_dtype(i, src)
+            if src not in written and have in AMP_FLOATS and want in AMP_FLOATS and have != want:
                 _fail(node, f"input '{src.name}' arrives as {dtype_name(have)}, "
-                            f"the node computes in {dtype_name(i.compute)}")
+                            f"the node computes in {dtype_name(want)}")
     return PassResult(False)

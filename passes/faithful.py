@@ -1,0 +1,78 @@
+"""Faithful: the rewritten graph differentiates exactly as the program did.
+
+Rule: run the graph as Dynamo gave it and the rewritten graph on the same fake
+inputs, with autograd on, and ask autograd which inputs receive a gradient.
+The two sets must be equal, and so must ``requires_grad`` of every output. A
+precision rewrite changes numbers only; a parameter that loses its gradient
+(a custom Function traced as forward-only, a grad-mode region moved) is a
+different program and raises, naming the input.
+
+This is not a pass over one graph: it compares two, so the backend calls it
+after the pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .verify import AmpVerifyError
+
+log = logging.getLogger(__name__)
+
+
+def gradient_flow(gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode: object
+                  ) -> tuple[frozenset[int], tuple[bool, ...]]:
+    """(indices of inputs that receive a gradient, requires_grad of each tensor output)."""
+    with fake_mode, torch.enable_grad():
+        leaves, args = {}, []
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor):
+                leaf = x.detach().clone().requires_grad_(x.requires_grad)
+                if x.requires_grad:
+                    leaves[i] = leaf
+                    leaf = leaf.clone()  # not a leaf, so in-place writes stay legal
+                args.append(leaf)
+            else:
+                args.append(x)
+        outs = [o for o in pytree.tree_leaves(torch.fx.Interpreter(gm).run(*args))
+                if isinstance(o, torch.Tensor)]
+        differentiable = [o for o in outs if o.requires_grad]
+        got = frozenset()
+        if differentiable and leaves:
+            grads = torch.autograd.grad(differentiable, list(leaves.values()),
+                                        [torch.ones_like(o) for o in differentiable],
+                                        allow_unused=True)
+            got = frozenset(i for i, g in zip(leaves, grads) if g is not None)
+    return got, tuple(o.requires_grad for o in outs)
+
+
+def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.GraphModule,
+                        inputs: Sequence[object], fake_mode: object) -> None:
+    """Raise AmpVerifyError when ``rewritten`` differentiates differently from ``original``."""
+    if not torch.is_grad_enabled() or not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        return
+    try:
+        before = gradient_flow(original, inputs, fake_mode)
+    except Exception as e:  # the program as given cannot run on fakes: nothing to compare with
+        log.warning("gradient-flow check skipped: the original graph did not run on fake "
+                    "inputs (%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return
+    after = gradient_flow(rewritten, inputs, fake_mode)
+    names = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"]
+    for i in sorted(before[0] ^ after[0]):
+        had = "receives" if i in before[0] else "receives no"
+        now = "none" if i in before[0] else "one"
+        raise AmpVerifyError(
+            f"node '{names[i]}' (graph input {i}) {had} gradient in the program as written but "
+            f"{now} after the amp rewrite: the rewrite changed what is differentiated "
+            "(please report this; pin the region with fp32_modules meanwhile)")
+    if before[1] != after[1]:
+        outs = [j for j, (a, b) in enumerate(zip(*[before[1], after[1]])) if a != b]
+        raise AmpVerifyError(
+            f"graph output(s) {outs} changed requires_grad in the amp rewrite "
+            f"(as written {before[1]}, after {after[1]})")
