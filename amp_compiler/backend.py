@@ -14,6 +14,7 @@ from amp_compiler.passes.faithful import check_gradient_flow
 
 from .capture import fake_inputs, to_aten
 from .device import device_of, resolve_dtype
+from .hops import inline_outlined
 from .options import AmpOptions
 from .plan import GraphPlan, PrecisionPlan
 from .policy import LOW_DTYPES
@@ -73,8 +74,9 @@ class AmpBackend:
                           fake_mode=fake_mode, graph_index=self.compiled)
         passes = run_pipeline(aten_gm, ctx, self.pipeline)
         aten_gm.recompile()
-        check_gradient_flow(gm, aten_gm, fake_inputs(example_inputs)[0], fake_mode)
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
+        inline_outlined(aten_gm)
+        check_gradient_flow(gm, aten_gm, fake_inputs(example_inputs)[0], fake_mode)
         self.compiled += 1
         self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
         del self.records[:-self.max_records]

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils import _pytree as pytree
 
-from .hops import HopKind, treatment
+from .hops import HopKind, outline_vmap_regions, treatment
 
 
 def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
@@ -61,6 +61,8 @@ class _Capture(torch.fx.Interpreter):
         if not isinstance(target, torch._ops.HigherOrderOperator):
             return super().call_function(target, args, kwargs)
         kind, _ = treatment(target)
+        if getattr(args[0], "meta", {}).get("amp_opaque"):
+            kind = HopKind.OPAQUE
         if kind is HopKind.INLINE:
             body, operands = _body_and_operands(target, args)
             return _Capture(body).run(*operands)
@@ -119,11 +121,16 @@ def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> N
 def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple[torch.fx.GraphModule, object]:
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake mode)."""
 
+    outlined = outline_vmap_regions(gm)
+
     def run(*args):
-        return _Capture(gm).run(*args)
+        return _Capture(outlined).run(*args)
 
     inputs, fake_mode = fake_inputs(example_inputs)
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True)(*inputs)
+    # Tracing leaves dead nodes behind (size checks, constants built under vmap
+    # that cannot run outside it); nothing reads them.
+    aten_gm.graph.eliminate_dead_code()
     _keep_names(gm, aten_gm)
     return aten_gm, fake_mode

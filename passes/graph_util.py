@@ -159,6 +159,8 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             fresh = "val" not in node.meta  # a node a pass just created
             if not fresh and not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
                 continue
+            if not fresh and isinstance(node.target, torch._ops.HigherOrderOperator):
+                continue  # its inputs keep their dtypes at the boundary, so its outputs do too
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n))
             new = node.target(*args, **kwargs)
             if fresh or val_dtype(new) != val_dtype(node.meta.get("val")) or \

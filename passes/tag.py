@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from amp_compiler.hops import HopKind, is_hop, treatment
+from amp_compiler.hops import HopKind, is_hop, node_treatment
 from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import AmpPolicyError, Precision, why
 
@@ -105,7 +105,7 @@ class _Tagger:
         base = dict(op=_op_name(node), module=modules[-1] if modules else "",
                     orig=self.orig(node), region=self.region)
         if is_hop(node):
-            kind, reason = treatment(node.target)
+            kind, reason = node_treatment(node)
             precision = Precision.FP32 if kind is HopKind.OPAQUE else Precision.PASSTHROUGH
             return NodeInfo(precision, reason, planned=base["orig"], boundary=True, **base)
         precision, reason, compute = self.decide(node, modules)

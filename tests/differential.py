@@ -1,0 +1,118 @@
+"""One training step of a model three ways: FP32 eager, eager torch.autocast, and amp.
+
+The amp run goes through ``torch.compile(backend=AmpBackend(inner=<recording aot_eager>))``,
+so what executed in 16 bit is read off the ops that ran, never off the loss.
+Plain ``torch.compile(backend="aot_eager")`` runs too, to count its graphs: amp
+must not compile more (a recompile the rewrite caused).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from amp_compiler import AmpBackend
+
+from conftest import OpRecorder, cosine, recording_backend
+
+aten = torch.ops.aten
+LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
+            aten._scaled_dot_product_flash_attention_for_cpu, aten._grouped_mm)
+
+
+def _loss(out) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out.loss
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _flat(g: dict, names) -> torch.Tensor:
+    return torch.cat([g[n].flatten().double() for n in names]) if names else torch.zeros(1)
+
+
+@dataclass
+class Step:
+    loss_fp32: float
+    loss_autocast: float
+    loss_amp: float
+    grads_fp32: dict = field(repr=False)
+    grads_autocast: dict = field(repr=False)
+    grads_amp: dict = field(repr=False)
+    graphs_plain: int = 0
+    graphs_amp: int = 0
+    low_matmuls: int = 0
+    backend: AmpBackend | None = field(default=None, repr=False)
+
+    @property
+    def cos_amp(self) -> float:
+        names = sorted(self.grads_fp32)
+        return cosine(_flat(self.grads_amp, names), _flat(self.grads_fp32, names))
+
+    @property
+    def cos_autocast(self) -> float:
+        names = sorted(self.grads_fp32)
+        return cosine(_flat(self.grads_autocast, names), _flat(self.grads_fp32, names))
+
+    def problems(self, slack: float = 0.01) -> list[str]:
+        """Every way the amp step is not the FP32 program, in words (empty: faithful)."""
+        out = []
+        if set(self.grads_amp) != set(self.grads_fp32):
+            out.append(f"parameters with gradients differ: missing "
+                       f"{sorted(set(self.grads_fp32) - set(self.grads_amp))[:5]}, extra "
+                       f"{sorted(set(self.grads_amp) - set(self.grads_fp32))[:5]}")
+        if math.isfinite(self.loss_fp32) and not math.isfinite(self.loss_amp):
+            out.append(f"loss {self.loss_amp} where FP32 gives {self.loss_fp32}")
+        bad = [n for n, g in self.grads_amp.items()
+               if n in self.grads_fp32 and torch.isfinite(self.grads_fp32[n]).all()
+               and not torch.isfinite(g).all()]
+        if bad:
+            out.append(f"non-finite gradients where FP32's are finite: {bad[:5]}")
+        if not out and self.cos_amp < self.cos_autocast - slack:
+            out.append(f"gradient cosine {self.cos_amp:.4f} < autocast's {self.cos_autocast:.4f} - {slack}")
+        if self.graphs_amp > self.graphs_plain:
+            out.append(f"{self.graphs_amp} graphs compiled, plain torch.compile needs {self.graphs_plain}")
+        if self.low_matmuls == 0:
+            out.append("no matmul/conv executed in 16 bit")
+        return out
+
+
+def one_step(build, dtype: str = "bf16", options: dict | None = None) -> Step:
+    """Run ``build() -> (model, inputs)`` one step FP32 / autocast / amp; compare."""
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.train()
+    ref, auto, plain = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    torch.manual_seed(1)
+    loss_ref = _loss(ref(**inputs))
+    loss_ref.backward()
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=low):
+        loss_auto = _loss(auto(**inputs))
+    loss_auto.float().backward()
+
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    _loss(torch.compile(plain, backend=count)(**inputs))
+
+    torch._dynamo.reset()
+    rec = OpRecorder()
+    backend = AmpBackend(dtype=dtype, inner=recording_backend(rec), **(options or {}))
+    torch.manual_seed(1)
+    loss = _loss(torch.compile(model, backend=backend)(**inputs))
+    loss.backward()
+    low_calls = [d for d in rec.dtypes_of(*LOW_EXEC) if d[:2] == [low, low]]
+    return Step(loss_ref.item(), loss_auto.item(), loss.item(), _grads(ref), _grads(auto),
+                _grads(model), len(graphs), backend.compiled, len(low_calls), backend)
