@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .hops import is_hop, rewritten_bodies
 from .meta import dtype_name, info
 from .policy import Precision
 
@@ -73,26 +74,33 @@ class GraphPlan:
     def from_graph(cls, gm: torch.fx.GraphModule, index: int, dtype: str, dtype_reason: str) -> GraphPlan:
         plan = cls(index, dtype, dtype_reason)
         unknown: Counter = Counter()
+        plan._add(gm, "", unknown)
+        plan.unknown_ops = dict(unknown)
+        return plan
+
+    def _add(self, gm: torch.fx.GraphModule, prefix: str, unknown: Counter) -> None:
+        """Nodes and casts of ``gm``, then of the bodies the pipeline rewrote (named
+        ``<body>.<node>``); a higher-order op is one node with its reason."""
         for node in gm.graph.nodes:
             i = info(node)
             if i is None or node.op != "call_function":
                 continue
             if i.inserted:
-                users = [u.name for u in node.users]
-                plan.casts.append(CastPlan(index, node.name, node.args[0].name,
+                users = [prefix + u.name for u in node.users]
+                self.casts.append(CastPlan(self.index, prefix + node.name, prefix + node.args[0].name,
                                            dtype_name(node.kwargs["dtype"]),
                                            ", ".join(users), _nbytes(node)))
                 continue
-            if not isinstance(node.target, torch._ops.OpOverload):
+            if not (isinstance(node.target, torch._ops.OpOverload) or is_hop(node)):
                 continue
             if i.unknown:
                 unknown[i.op] += 1
             compute = i.compute if i.compute is not None else _arriving(node)
-            plan.nodes.append(NodePlan(index, node.name, i.op, i.module, i.precision.value,
-                                       i.reason, dtype_name(compute), dtype_name(i.planned),
-                                       tuple(i.casts)))
-        plan.unknown_ops = dict(unknown)
-        return plan
+            self.nodes.append(NodePlan(self.index, prefix + node.name, i.op, i.module,
+                                       i.precision.value, i.reason, dtype_name(compute),
+                                       dtype_name(i.planned), tuple(i.casts)))
+        for name, body in rewritten_bodies(gm):
+            self._add(body, f"{prefix}{name}.", unknown)
 
     def summary(self) -> dict:
         return _summary([self])

@@ -12,6 +12,16 @@ from torch.utils._pytree import tree_leaves
 aten = torch.ops.aten
 
 
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests run only when asked for (``-m slow``): the default suite stays quick."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="compile-heavy: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

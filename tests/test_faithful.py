@@ -1,0 +1,294 @@
+"""The rewrite changes numbers, never the program: higher-order ops, in-place writes,
+constants that do not fit 16 bit, and gradient flow checked against Dynamo's graph."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from amp_compiler import AmpBackend
+from amp_compiler.passes import AmpVerifyError
+from amp_compiler.passes.faithful import check_gradient_flow
+
+from conftest import OpRecorder, cosine, grads, recording_backend
+
+aten = torch.ops.aten
+MATMULS = (aten.mm, aten.addmm, aten.bmm)
+
+
+class SiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s))
+
+
+class CustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(SiLU.apply(self.a(x))).pow(2).mean()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2 = Block(), Block()
+
+    def forward(self, x):
+        h = checkpoint(self.b1, x, use_reentrant=False)
+        return checkpoint(self.b2, h, use_reentrant=False).pow(2).mean()
+
+
+class RotaryCopy(nn.Module):
+    """DeepSeek-V3's pattern: a buffer from new_empty (16-bit under the plan) filled by
+    copy_ from an FP32 rotary output, and by slice assignment."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.r = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        q = self.q(x)
+        buf = q.new_empty(q.shape)
+        buf[..., :4] = q[..., :4]
+        buf[..., 4:].copy_(torch.cos(self.r(x)))
+        return (buf @ buf.transpose(-1, -2)).mean()
+
+
+class MaskFill(nn.Module):
+    """DeBERTa's pattern: masked_fill with finfo(float32).min, Dynamo bakes the number in."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.q, self.k, self.fill = nn.Linear(8, 8), nn.Linear(8, 8), fill
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        fill = torch.finfo(scores.dtype).min if self.fill is None else self.fill
+        scores = scores.masked_fill(mask, fill)
+        return (torch.softmax(scores, -1) @ self.k(x)).pow(2).mean()
+
+
+def _step(model, inputs, dtype="bf16", inner=None):
+    """(amp loss, FP32 loss, amp model, FP32 model, backend, recorder)."""
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    rec = OpRecorder()
+    backend = AmpBackend(dtype=dtype, inner=inner or recording_backend(rec))
+    loss = torch.compile(model, backend=backend)(*inputs)
+    loss.backward()
+    return loss, ref_loss, model, ref, backend, rec
+
+
+def test_custom_function_keeps_gradients_upstream():
+    """Parameters before a custom autograd.Function get their gradients (BLOOM's GeLU)."""
+    loss, ref_loss, model, ref, backend, rec = _step(CustomFunction(), (torch.randn(4, 8),))
+    assert model.a.weight.grad is not None and model.a.bias.grad is not None
+    assert cosine(grads(model), grads(ref)) >= 0.99
+    hop = [n for n in backend.plan().nodes if n.op == "autograd_function_apply"]
+    assert hop and hop[0].precision == "FP32" and "hand-written backward" in hop[0].reason
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+
+
+def test_custom_function_body_runs_in_fp32_program_dtypes():
+    """The Function's forward receives FP32 although the Linear before it ran in BF16."""
+    rec = OpRecorder()
+    torch.compile(CustomFunction(), backend=AmpBackend(inner=recording_backend(rec)))(
+        torch.randn(4, 8)).backward()
+    sigmoid = rec.dtypes_of(aten.sigmoid)
+    assert sigmoid and all(d == [torch.float32] for d in sigmoid), sigmoid
+
+
+def test_checkpoint_body_rewritten_and_recomputed_in_low():
+    """A checkpointed block compiles; its matmuls run BF16 in forward and in the recompute."""
+    loss, ref_loss, model, ref, backend, rec = _step(Checkpointed(), (torch.randn(4, 8),))
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
+    assert cosine(grads(model), grads(ref)) >= 0.99
+    mms = rec.dtypes_of(*MATMULS)
+    assert mms and all(d[:2] == [torch.bfloat16] * 2 for d in mms), mms
+    nodes = backend.plan().nodes
+    body = [n for n in nodes if "." in n.name and n.op.startswith("aten.linear")]
+    assert len(body) == 2 and all(n.precision == "LOW" for n in body)
+    assert all(n.precision == "FP32" for n in nodes if n.op.startswith("aten.layer_norm"))
+    assert any(n.op == "tag_activation_checkpoint" for n in nodes)
+
+
+def test_checkpoint_recompute_in_backward_matches_forward_precision():
+    """With a partitioner that honours checkpoint tags, backward recomputes the BF16 matmuls."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    rec = OpRecorder()
+
+    def run_recorded(gm, _):
+        def run(args):
+            with rec:
+                return gm(*args)
+        run._boxed_call = True
+        return run
+
+    inner = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded,
+                         partition_fn=min_cut_rematerialization_partition)
+    model = Checkpointed()
+    loss = torch.compile(model, backend=AmpBackend(inner=inner))(torch.randn(4, 8))
+    forward_mms = len(rec.dtypes_of(*MATMULS))
+    loss.backward()
+    mms = rec.dtypes_of(*MATMULS)
+    assert len(mms) > forward_mms + 4  # the recompute, plus the two grad matmuls per Linear
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in mms), mms
+
+
+def test_inplace_copy_of_other_dtype_computes_in_written_dtype():
+    """copy_ / slice assignment of an FP32 value into a BF16 buffer: one cast of the source."""
+    loss, ref_loss, model, ref, backend, _ = _step(RotaryCopy(), (torch.randn(4, 8),))
+    assert cosine(grads(model), grads(ref)) >= 0.99
+    copies = [n for n in backend.plan().nodes if n.op == "aten.copy_.default"]
+    assert copies and all(n.compute_dtype == "bf16" and n.dtype == "bf16" for n in copies)
+    assert any(n.casts for n in copies)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mask_fill_with_fp32_min_stays_finite(dtype):
+    """A fully masked row gives FP32's finite answer, not NaN: the fill becomes the low extreme."""
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[0] = True  # one row masked out entirely
+    loss, ref_loss, model, ref, backend, _ = _step(MaskFill(), (torch.randn(4, 8), mask), dtype)
+    assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
+    assert abs(loss.item() - ref_loss.item()) <= 0.03 * abs(ref_loss.item())
+    fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
+    assert fill and "extreme" in fill[0].reason
+    graph = backend.records[0].graph
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    values = [n.args[2] for n in graph.graph.nodes if n.target is aten.masked_fill.Scalar]
+    assert values == [torch.finfo(low).min]
+
+
+def test_mask_fill_constant_beyond_fp16_runs_in_fp32():
+    """-1e9 is not FP32's extreme, just too big for FP16: the fill runs in FP32 instead."""
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[0] = True
+    loss, ref_loss, model, _, backend, _ = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "fp16")
+    assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
+    fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
+    assert fill[0].precision == "FP32" and "does not fit fp16" in fill[0].reason
+
+
+def test_mask_fill_in_bf16_keeps_small_constants():
+    """-1e9 fits BF16: nothing is refitted, the fill stays where the plan put it."""
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    _, _, _, _, backend, _ = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "bf16")
+    fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
+    assert fill[0].precision == "PASSTHROUGH" and "extreme" not in fill[0].reason
+
+
+def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
+    """A rewritten graph that detaches a parameter's path raises, naming that input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def program(x, w):
+        return (x @ w).sum()
+
+    def broken(x, w):
+        return (x @ w.detach()).sum()
+
+    original, rewritten = torch.fx.symbolic_trace(program), torch.fx.symbolic_trace(broken)
+    mode = FakeTensorMode()
+    inputs = [mode.from_tensor(torch.randn(2, 3)), mode.from_tensor(torch.randn(3, 3).requires_grad_())]
+    with pytest.raises(AmpVerifyError, match="node 'w'.*none after the amp rewrite"):
+        check_gradient_flow(original, rewritten, inputs, mode)
+    check_gradient_flow(original, original, inputs, mode)  # the same program passes
+
+
+def test_unknown_higher_order_op_runs_as_written():
+    """torch.cond is no op the backend rewrites: it stays one node, fed FP32, grads intact."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.a(x)
+            z = torch.cond(y.sum() > 0, lambda t: torch.sin(t), lambda t: torch.cos(t), (y,))
+            return self.b(z).pow(2).mean()
+
+    loss, ref_loss, model, ref, backend, _ = _step(Branchy(), (torch.randn(4, 8),), inner="aot_eager")
+    assert set(n for n, p in model.named_parameters() if p.grad is not None) == \
+        set(n for n, p in ref.named_parameters() if p.grad is not None)
+    assert cosine(grads(model), grads(ref)) >= 0.99
+    cond = [n for n in backend.plan().nodes if n.op == "cond"]
+    assert cond and cond[0].precision == "FP32" and "as written" in cond[0].reason
+
+
+def test_vmap_region_is_opaque_and_differentiable():
+    """A torch.func.vmap inside the model (associative_scan's way) keeps its gradients."""
+
+    class Scan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.a(x)
+            z = torch.func.vmap(lambda r: r * torch.tanh(r))(y)
+            return self.b(z).pow(2).mean()
+
+    loss, ref_loss, model, ref, backend, rec = _step(Scan(), (torch.randn(4, 8),))
+    assert model.a.weight.grad is not None
+    assert cosine(grads(model), grads(ref)) >= 0.99
+    assert any("vmap region" in n.reason for n in backend.plan().nodes)
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/fixtures")
+transformers = pytest.importorskip("transformers")
+from differential import one_step  # noqa: E402
+from zoo import zoo  # noqa: E402
+
+ZOO = zoo()
+FAST = {"bloom", "deepseek_v3", "mamba", "deberta_v2", "clip", "hubert_ctc"}
+
+
+# Known weak spot: random-init MobileViT's LayerNorms see near-constant inputs, and its
+# gradients (bias norms ~1e2 at a loss of ln 3) amplify BF16 rounding more under our plan
+# (cosine 0.985) than under CPU autocast (0.9999); not yet understood.
+KNOWN = {"mobilevit": "gradient cosine 0.985 vs autocast's 0.9999 (random-init MobileViT)"}
+
+
+def _marks(name):
+    marks = [] if name in FAST else [pytest.mark.slow]
+    if name in KNOWN:
+        marks.append(pytest.mark.xfail(reason=KNOWN[name], strict=True))
+    return marks
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ZOO])
+def test_zoo_one_training_step_is_faithful(name):
+    """FP32 eager vs autocast vs amp: same parameters get gradients, finite where FP32 is,
+    cosine no worse than autocast's - 0.01, no extra graphs, matmuls executed in BF16."""
+    step = one_step(ZOO[name])
+    assert step.problems() == [], (name, step.problems())
