@@ -292,3 +292,27 @@ def test_zoo_one_training_step_is_faithful(name):
     cosine no worse than autocast's - 0.01, no extra graphs, matmuls executed in BF16."""
     step = one_step(ZOO[name])
     assert step.problems() == [], (name, step.problems())
+
+
+EXPORT_FAST = ("bloom", "deberta_v2", "hubert_ctc", "mobilevit")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n in EXPORT_FAST else pytest.mark.slow)
+    for n in EXPORT_FAST + ("olmo2", "modernbert", "gemma3", "mamba")])
+def test_zoo_exports_bf16_onnx_with_checks(name, tmp_path):
+    """BF16 ONNX export with its own checks on: dtype assertions follow the plan (HuBERT,
+    OLMo-2), mask fills fit (DeBERTa), outputs blind to rounding are controlled inside
+    (random-init MobileViT)."""
+    pytest.importorskip("onnxruntime")
+    from amp_compiler.onnx_export import export_onnx
+
+    model, inputs = ZOO[name]()
+    inputs = {k: v for k, v in inputs.items() if k not in ("labels", "return_loss")}
+    if getattr(model.config, "use_cache", None) is not None:
+        inputs["use_cache"] = False
+    report = export_onnx(model, (), str(tmp_path / "m.onnx"), kwargs=inputs, dtype="bf16",
+                         target="cuda")
+    assert (tmp_path / "m.onnx").exists()
+    assert report.parity["vs_fp32_max_rel"] <= report.parity["tolerance_rel"]
+    assert report.parity["negative_control_diff"] > 0 or "measured on" in report.parity["negative_control"]
