@@ -12,7 +12,7 @@ import torch
 from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
 from amp_compiler.passes.faithful import check_gradient_flow
 
-from .capture import fake_inputs, to_aten
+from .capture import to_aten
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .options import AmpOptions
@@ -69,14 +69,14 @@ class AmpBackend:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
         dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
-        aten_gm, fake_mode = to_aten(gm, example_inputs)
+        aten_gm, fake_mode, inputs = to_aten(gm, example_inputs)
         ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
                           fake_mode=fake_mode, graph_index=self.compiled)
         passes = run_pipeline(aten_gm, ctx, self.pipeline)
         aten_gm.recompile()
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
         inline_outlined(aten_gm)
-        check_gradient_flow(gm, aten_gm, fake_inputs(example_inputs)[0], fake_mode)
+        check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         self.compiled += 1
         self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
         del self.records[:-self.max_records]

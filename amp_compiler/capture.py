@@ -60,9 +60,7 @@ class _Capture(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if not isinstance(target, torch._ops.HigherOrderOperator):
             return super().call_function(target, args, kwargs)
-        kind, _ = treatment(target)
-        if getattr(args[0], "meta", {}).get("amp_opaque"):
-            kind = HopKind.OPAQUE
+        kind, _ = treatment(target, args[0] if args else None)
         if kind is HopKind.INLINE:
             body, operands = _body_and_operands(target, args)
             return _Capture(body).run(*operands)
@@ -118,8 +116,10 @@ def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> N
         traced.recompile()
 
 
-def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple[torch.fx.GraphModule, object]:
-    """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake mode)."""
+def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
+            ) -> tuple[torch.fx.GraphModule, object, list]:
+    """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake
+    mode, the fake inputs it was traced with)."""
 
     outlined = outline_vmap_regions(gm)
 
@@ -133,4 +133,4 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()
     _keep_names(gm, aten_gm)
-    return aten_gm, fake_mode
+    return aten_gm, fake_mode, inputs

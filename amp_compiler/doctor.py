@@ -99,7 +99,7 @@ def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
     amp = AmpBackend(options, dtype=dtype, inner="eager")
 
     def backend(gm, example_inputs):
-        ref_gm, _ = to_aten(gm, example_inputs)
+        ref_gm = to_aten(gm, example_inputs)[0]
         amp_gm = amp.rewrite(gm, example_inputs)
         index = amp.compiled - 1
 

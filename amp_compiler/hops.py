@@ -57,7 +57,12 @@ def hop_name(target: object) -> str | None:
     return target.name() if isinstance(target, HigherOrderOperator) else None
 
 
-def treatment(target: object) -> tuple[HopKind, str]:
+def treatment(target: object, body: object = None) -> tuple[HopKind, str]:
+    """(treatment, reason) of higher-order op ``target`` called with first argument
+    ``body``; a region outlined here (``body.meta["amp_opaque"]``) is OPAQUE."""
+    reason = getattr(body, "meta", {}).get("amp_opaque")
+    if reason:
+        return HopKind.OPAQUE, reason
     name = hop_name(target)
     if name in _TABLE:
         return _TABLE[name]
@@ -66,14 +71,11 @@ def treatment(target: object) -> tuple[HopKind, str]:
 
 
 def node_treatment(node: torch.fx.Node) -> tuple[HopKind, str]:
-    """``treatment`` of a higher-order op node; a region outlined here is OPAQUE."""
+    """``treatment`` of a higher-order op node in a graph."""
     body = node.args[0] if node.args else None
     if isinstance(body, torch.fx.Node) and body.op == "get_attr":
-        module = getattr(node.graph.owning_module, body.target, None)
-        reason = getattr(module, "meta", {}).get("amp_opaque")
-        if reason:
-            return HopKind.OPAQUE, reason
-    return treatment(node.target)
+        body = getattr(node.graph.owning_module, body.target, None)
+    return treatment(node.target, body)
 
 
 def is_hop(node: torch.fx.Node) -> bool:

@@ -60,8 +60,8 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
         before = gradient_flow(original, inputs, fake_mode)
         after = gradient_flow(rewritten, inputs, fake_mode)
     except Exception as e:
-        # Some graphs cannot run eagerly on fakes outside a compiler (vmap regions
-        # outlined into a subgraph): nothing to compare, so say so.
+        # A graph that cannot run eagerly on fakes outside a compiler leaves
+        # nothing to compare: say so rather than refuse the program.
         log.warning("gradient-flow check skipped: a graph did not run on fake inputs "
                     "(%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return
@@ -74,7 +74,7 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
             f"{now} after the amp rewrite: the rewrite changed what is differentiated "
             "(please report this; pin the region with fp32_modules meanwhile)")
     if before[1] != after[1]:
-        outs = [j for j, (a, b) in enumerate(zip(*[before[1], after[1]])) if a != b]
+        outs = [j for j, (a, b) in enumerate(zip(before[1], after[1])) if a != b]
         raise AmpVerifyError(
             f"graph output(s) {outs} changed requires_grad in the amp rewrite "
             f"(as written {before[1]}, after {after[1]})")

@@ -48,15 +48,32 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for n in node.all_input_nodes if is_tensor_node(n)]
 
 
-def mutated_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """Inputs the op writes to (``Tensor(a!)`` in its schema): never cast these."""
+def schema_args(node: torch.fx.Node):
+    """(slot, schema argument, value) for each argument of an ATen op node; ``slot`` is
+    the position in ``node.args`` or, when passed by keyword or omitted, the name."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
-        return set()
-    out = set()
+        return
     for i, arg in enumerate(target._schema.arguments):
+        if i < len(node.args):
+            yield i, arg, node.args[i]
+        else:
+            yield arg.name, arg, node.kwargs.get(arg.name)
+
+
+def set_arg(node: torch.fx.Node, slot: int | str, value: object) -> None:
+    """Set the argument a ``schema_args`` slot names."""
+    if isinstance(slot, int):
+        node.update_arg(slot, value)
+    else:
+        node.update_kwarg(slot, value)
+
+
+def mutated_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """Inputs the op writes to (``Tensor(a!)`` in its schema): never cast these."""
+    out = set()
+    for _, arg, value in schema_args(node):
         if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             if isinstance(value, torch.fx.Node):
                 out.add(value)
             elif isinstance(value, (list, tuple)):
@@ -106,16 +123,17 @@ def region_name(node: torch.fx.Node) -> str | None:
     return None
 
 
+def dtype_arg(node: torch.fx.Node) -> tuple[int | str | None, object]:
+    """(slot, value) of the op's ``dtype`` argument; (None, None) when it has none."""
+    for slot, arg, value in schema_args(node):
+        if arg.name == "dtype":
+            return slot, value if isinstance(value, torch.dtype) else None
+    return None, None
+
+
 def explicit_dtype(node: torch.fx.Node) -> object:
     """The value of the op's ``dtype`` argument, or None when not given."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "dtype":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get("dtype")
-            return value if isinstance(value, torch.dtype) else None
-    return None
+    return dtype_arg(node)[1]
 
 
 def wanted_dtype(node_info: NodeInfo, src: torch.fx.Node) -> object:

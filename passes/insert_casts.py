@@ -19,7 +19,8 @@ from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
 from .graph_util import (
-    AMP_FLOATS, CAST_OP, explicit_dtype, mutated_inputs, refresh_vals, tensor_inputs, volatile_values, wanted_dtype,
+    AMP_FLOATS, CAST_OP, dtype_arg, mutated_inputs, refresh_vals, set_arg, tensor_inputs, volatile_values,
+    wanted_dtype,
 )
 from .infra import PassContext, PassResult
 
@@ -71,20 +72,14 @@ def insert_casts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
             # torch.export asserts the dtype each value had when traced; the
             # assertion follows the plan, or the exported program fails on itself.
-            src, asserted = node.args[0], explicit_dtype(node)
+            src, (slot, asserted) = node.args[0], dtype_arg(node)
             have = info(src).planned if info(src) else None
             if asserted in AMP_FLOATS and have in AMP_FLOATS and have != asserted:
-                if len(node.args) > 3:
-                    node.update_arg(3, have)  # (a, size, stride, dtype, *, device, layout)
-                else:
-                    node.update_kwarg("dtype", have)
+                set_arg(node, slot, have)
                 refills += 1
             continue
-        for where, value in node_info.constants.items():
-            if isinstance(where, int):
-                node.update_arg(where, value)
-            else:
-                node.update_kwarg(where, value)
+        for slot, value in node_info.constants.items():
+            set_arg(node, slot, value)
             refills += 1
         if node_info.compute is None and not node_info.boundary:
             continue

@@ -25,7 +25,7 @@ from amp_compiler.policy import AmpPolicyError, Precision, why
 
 from .graph_util import (
     AMP_FLOATS, USER_CAST_OPS, explicit_dtype, mutated_inputs, node_dtype,
-    region_name, tensor_inputs, widest,
+    region_name, schema_args, tensor_inputs, widest,
 )
 from .infra import PassContext, PassResult
 
@@ -248,20 +248,18 @@ _FILLS = {torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default,
 def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
     """Finite constants the node computes with that ``dtype`` (16-bit) cannot hold.
 
-    Python scalars in its arguments by argument index or name; an input made
+    Python scalars in its arguments by ``schema_args`` slot; an input made
     by ``full``/``scalar_tensor`` with such a value counts too (keyed by the
     input's name, never rewritten: such a node runs in FP32 instead).
     """
-    if dtype not in (torch.bfloat16, torch.float16) or not isinstance(node.target, torch._ops.OpOverload):
+    if dtype not in (torch.bfloat16, torch.float16):
         return {}
     limit = torch.finfo(dtype).max
     out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        key = i if i < len(node.args) else arg.name
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for slot, arg, value in schema_args(node):
         if str(arg.type) in _NUMBER_ARGS and isinstance(value, (int, float)) \
                 and not isinstance(value, bool) and math.isfinite(value) and abs(value) > limit:
-            out[key] = float(value)
+            out[slot] = float(value)
         elif isinstance(value, torch.fx.Node) and value.target in _FILLS:
             fill = value.args[0] if value.target is torch.ops.aten.scalar_tensor.default else value.args[1]
             if isinstance(fill, (int, float)) and math.isfinite(fill) and abs(fill) > limit:

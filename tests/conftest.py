@@ -48,10 +48,11 @@ class OpRecorder(TorchDispatchMode):
         return [d for p, d in self.calls if p in packets]
 
 
-def recording_backend(recorder: OpRecorder, graphs: list | None = None):
+def recording_backend(recorder: OpRecorder, graphs: list | None = None, partition_fn=None):
     """aot_eager, with forward and backward executed under ``recorder``.
 
-    Also keeps the graphs the amp backend handed over in ``graphs``.
+    Also keeps the graphs the amp backend handed over in ``graphs``;
+    ``partition_fn`` replaces AOTAutograd's default partitioner.
     """
     from torch._dynamo.backends.common import aot_autograd
 
@@ -63,7 +64,8 @@ def recording_backend(recorder: OpRecorder, graphs: list | None = None):
         run._boxed_call = True
         return run
 
-    aot = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded)
+    aot = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded,
+                       **({"partition_fn": partition_fn} if partition_fn else {}))
 
     def inner(gm, example_inputs):
         if graphs is not None:

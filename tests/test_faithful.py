@@ -34,13 +34,19 @@ class SiLU(torch.autograd.Function):
         return g * s * (1 + x * (1 - s))
 
 
-class CustomFunction(nn.Module):
-    def __init__(self):
+class Sandwich(nn.Module):
+    """Linear -> ``middle`` -> Linear -> loss: ``middle`` is the construct under test."""
+
+    def __init__(self, middle):
         super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a, self.b, self.middle = nn.Linear(8, 8), nn.Linear(8, 8), middle
 
     def forward(self, x):
-        return self.b(SiLU.apply(self.a(x))).pow(2).mean()
+        return self.b(self.middle(self.a(x))).pow(2).mean()
+
+
+def CustomFunction():
+    return Sandwich(SiLU.apply)
 
 
 class Block(nn.Module):
@@ -139,20 +145,10 @@ def test_checkpoint_body_rewritten_and_recomputed_in_low():
 
 def test_checkpoint_recompute_in_backward_matches_forward_precision():
     """With a partitioner that honours checkpoint tags, backward recomputes the BF16 matmuls."""
-    from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     rec = OpRecorder()
-
-    def run_recorded(gm, _):
-        def run(args):
-            with rec:
-                return gm(*args)
-        run._boxed_call = True
-        return run
-
-    inner = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded,
-                         partition_fn=min_cut_rematerialization_partition)
+    inner = recording_backend(rec, partition_fn=min_cut_rematerialization_partition)
     model = Checkpointed()
     loss = torch.compile(model, backend=AmpBackend(inner=inner))(torch.randn(4, 8))
     forward_mms = len(rec.dtypes_of(*MATMULS))
@@ -226,17 +222,9 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
 def test_unknown_higher_order_op_runs_as_written():
     """torch.cond is no op the backend rewrites: it stays one node, fed FP32, grads intact."""
 
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-        def forward(self, x):
-            y = self.a(x)
-            z = torch.cond(y.sum() > 0, lambda t: torch.sin(t), lambda t: torch.cos(t), (y,))
-            return self.b(z).pow(2).mean()
-
-    loss, ref_loss, model, ref, backend, _ = _step(Branchy(), (torch.randn(4, 8),), inner="aot_eager")
+    branchy = Sandwich(lambda y: torch.cond(y.sum() > 0, lambda t: torch.sin(t),
+                                            lambda t: torch.cos(t), (y,)))
+    loss, ref_loss, model, ref, backend, _ = _step(branchy, (torch.randn(4, 8),), inner="aot_eager")
     assert set(n for n, p in model.named_parameters() if p.grad is not None) == \
         set(n for n, p in ref.named_parameters() if p.grad is not None)
     assert cosine(grads(model), grads(ref)) >= 0.99
@@ -247,17 +235,8 @@ def test_unknown_higher_order_op_runs_as_written():
 def test_vmap_region_is_opaque_and_differentiable():
     """A torch.func.vmap inside the model (associative_scan's way) keeps its gradients."""
 
-    class Scan(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-        def forward(self, x):
-            y = self.a(x)
-            z = torch.func.vmap(lambda r: r * torch.tanh(r))(y)
-            return self.b(z).pow(2).mean()
-
-    loss, ref_loss, model, ref, backend, rec = _step(Scan(), (torch.randn(4, 8),))
+    scan = Sandwich(lambda y: torch.func.vmap(lambda r: r * torch.tanh(r))(y))
+    loss, ref_loss, model, ref, backend, rec = _step(scan, (torch.randn(4, 8),))
     assert model.a.weight.grad is not None
     assert cosine(grads(model), grads(ref)) >= 0.99
     assert any("vmap region" in n.reason for n in backend.plan().nodes)
