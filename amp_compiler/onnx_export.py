@@ -107,7 +107,8 @@ def export_onnx(model: torch.nn.Module, args: tuple, path: str, *, kwargs: dict 
         tmp = tempfile.mkdtemp(dir=folder, prefix=".amp-export-")
         try:
             tmp_path = os.path.join(tmp, os.path.basename(path))
-            _onnx_export(ep, args, kwargs, tmp_path, opset, dynamic_shapes)
+            _onnx_export(ep, args, kwargs, tmp_path, opset, dynamic_shapes,
+                         _library_translations(model))
             report = ExportReport(path, None, dtype, target, opset, _initializer_bytes(tmp_path),
                                   fp32_bytes, plan)
             if check:
@@ -249,15 +250,46 @@ def _sync_output_specs(ep) -> None:
             spec.arg = TensorArgument(name=arg.name)
 
 
-def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes) -> None:
+@contextlib.contextmanager
+def _quiet(*loggers: str):
+    """The exporter's own progress and signature-inference chatter is not the user's business."""
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in loggers]
+    for lg, _ in saved:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
+def _library_translations(model: torch.nn.Module) -> dict:
+    """ONNX translations the model's own library ships for its custom operators.
+
+    transformers' MoE experts run as ``torch.ops.transformers.grouped_mm_fallback``, which
+    only transformers knows how to write in ONNX. Only ops outside ``aten`` are taken:
+    for ATen ops torchlib's translation stays the one the plan was checked against.
+    """
+    if not type(model).__module__.startswith("transformers."):
+        return {}
+    try:
+        from transformers.exporters.exporter_onnx import _ONNX_TRANSLATION_TABLE as table
+    except Exception:  # older transformers, or onnxscript missing: nothing to add
+        return {}
+    return {op: fn for op, fn in table.items()
+            if getattr(op, "namespace", "aten") not in ("aten", "prims")}
+
+
+def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=None) -> None:
     try:
         # optimize=False: the exporter's BatchNorm folding can write FP32 weights into a BF16 Conv.
         # Its progress lines go to stdout; keep them out of ours.
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
+                _quiet("torch.onnx", "onnx_ir", "onnxscript"):
             warnings.simplefilter("ignore")
             torch.onnx.export(ep, args, path, kwargs=kwargs, dynamo=True, opset_version=opset,
                               dynamic_shapes=dynamic_shapes, optimize=False, external_data=True,
-                              verbose=False)
+                              verbose=False, custom_translation_table=translations or None)
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 

@@ -118,7 +118,7 @@ def export_fp32_pins(target: str) -> dict:
     """ATen ops the policy may leave in BF16 whose ONNX lowering cannot take BF16.
 
     Two sources: ONNX's own type constraints (SplitToSequence, which the exporter
-    uses for ``split``, has no bfloat16), and the ORT CUDA kernels missing above.
+    uses for ``split``, and Einsum have no bfloat16), and the ORT CUDA kernels missing above.
     A BF16 export pins them to FP32 (op -> reason).
     """
     import torch
@@ -126,6 +126,7 @@ def export_fp32_pins(target: str) -> dict:
     aten = torch.ops.aten
     pins = {op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export"
             for op in (aten.split, aten.split_with_sizes)}
+    pins[aten.einsum] = "ONNX Einsum takes no bfloat16: FP32 in the export"
     if target == "cuda":
         pins.update(_cuda_pins(aten))
     return pins

@@ -115,6 +115,9 @@ PROMOTE_OPS = frozenset({
     aten.cat, aten.concat, aten.concatenate, aten.stack, aten.hstack, aten.vstack,
     aten.index_put, aten.scatter, aten.scatter_add, aten.index_add, aten.index_copy,
     aten.masked_scatter, aten.grid_sampler,
+    # functional forms of in-place writes (export functionalizes copy_ and slice assignment)
+    aten.copy, aten.slice_scatter, aten.select_scatter, aten.diagonal_scatter,
+    aten.as_strided_scatter,
 })
 
 # PASSTHROUGH: ops that are exact or bounded in any dtype, so they run in the

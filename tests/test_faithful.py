@@ -243,6 +243,102 @@ def test_vmap_region_is_opaque_and_differentiable():
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
 
 
+class _Lm(nn.Module):
+    """Embedding -> Linear -> head, loss as a dict: the shape of a user's model."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def hidden(self, ids):
+        return self.fc(self.emb(ids))
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.hidden(ids)))
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _lm_inputs():
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.randint(0, 32, (2, 6), generator=g),
+            "labels": torch.randint(0, 32, (2, 6), generator=g)}
+
+
+class _Ema(_Lm):
+    """A buffer updated in forward (running statistics written by the model itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(16))
+
+    def hidden(self, ids):
+        h = self.fc(self.emb(ids))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean((0, 1)), alpha=0.1)
+        return h + self.ema
+
+
+def _hooked():
+    m = _Lm()
+    m.fc.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    m.fc.register_forward_hook(lambda mod, args, out: out - out.mean(-1, keepdim=True))
+    return m
+
+
+def _parametrized():
+    m = _Lm()
+    nn.utils.parametrizations.weight_norm(m.fc)
+    nn.utils.parametrizations.orthogonal(m.head)
+    return m
+
+
+def _spectral():
+    """spectral_norm's power iteration writes its vectors in forward (train mode)."""
+    m = _Lm()
+    nn.utils.parametrizations.spectral_norm(m.fc)
+    return m
+
+
+PATTERNS = {"forward_hooks": _hooked, "weight_norm_orthogonal": _parametrized,
+            "spectral_norm_buffers": _spectral, "tied_embedding": lambda: _Lm(tie=True),
+            "buffer_updated_in_forward": _Ema}
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_user_pattern_one_training_step_is_faithful(name):
+    """Hooks, parametrizations, weight tying and buffers written in forward: the same
+    program as FP32 eager (gradients, finiteness, cosine vs autocast, no extra graphs)."""
+    from differential import one_step
+
+    step = one_step(lambda: (PATTERNS[name](), _lm_inputs()))
+    assert step.problems() == [], step.problems()
+
+
+def test_buffer_written_in_forward_stays_fp32_and_matches_eager():
+    """The model's own state is the master copy too: written in its dtype, same value."""
+    torch.manual_seed(0)
+    model = _Ema()
+    ref = copy.deepcopy(model)
+    inputs = _lm_inputs()
+    ref(**inputs)
+    torch.compile(model, backend=AmpBackend(dtype="bf16"))(**inputs)
+    assert model.ema.dtype == torch.float32
+    assert torch.allclose(model.ema, ref.ema, rtol=2e-2, atol=2e-3)
+    assert model.ema.abs().sum() > 0
+
+
+def test_tied_weight_receives_both_gradients():
+    torch.manual_seed(0)
+    model = _Lm(tie=True)
+    ref = copy.deepcopy(model)
+    ref(**_lm_inputs())["loss"].backward()
+    torch.compile(model, backend=AmpBackend(dtype="bf16"))(**_lm_inputs())["loss"].backward()
+    assert model.head.weight is model.emb.weight
+    assert cosine(model.emb.weight.grad.flatten(), ref.emb.weight.grad.flatten()) >= 0.99
+
+
 sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/fixtures")
 transformers = pytest.importorskip("transformers")
 from differential import one_step  # noqa: E402
@@ -254,7 +350,8 @@ FAST = {"bloom", "deepseek_v3", "mamba", "deberta_v2", "clip", "hubert_ctc"}
 
 # Known weak spot: random-init MobileViT's LayerNorms see near-constant inputs, and its
 # gradients (bias norms ~1e2 at a loss of ln 3) amplify BF16 rounding more under our plan
-# (cosine 0.985) than under CPU autocast (0.9999); not yet understood.
+# (cosine 0.985) than under CPU autocast (0.9999). Localised to the transformer blocks'
+# attention: fp32_modules=("attention",) gives 0.9999; cause not yet understood.
 KNOWN = {"mobilevit": "gradient cosine 0.985 vs autocast's 0.9999 (random-init MobileViT)"}
 
 
@@ -273,20 +370,21 @@ def test_zoo_one_training_step_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
-EXPORT_FAST = ("bloom", "deberta_v2", "hubert_ctc", "mobilevit")
+EXPORT_FAST = ("bloom", "deberta_v2", "hubert_ctc", "mobilevit", "qwen3_moe")
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=() if n in EXPORT_FAST else pytest.mark.slow)
-    for n in EXPORT_FAST + ("olmo2", "modernbert", "gemma3", "mamba")])
+    pytest.param(n, marks=() if n in EXPORT_FAST else pytest.mark.slow) for n in ZOO])
 def test_zoo_exports_bf16_onnx_with_checks(name, tmp_path):
     """BF16 ONNX export with its own checks on: dtype assertions follow the plan (HuBERT,
     OLMo-2), mask fills fit (DeBERTa), outputs blind to rounding are controlled inside
-    (random-init MobileViT)."""
+    (random-init MobileViT), MoE experts through the library's own translation (Qwen3-MoE)."""
     pytest.importorskip("onnxruntime")
     from amp_compiler.onnx_export import export_onnx
 
     model, inputs = ZOO[name]()
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = inputs["labels"]
     inputs = {k: v for k, v in inputs.items() if k not in ("labels", "return_loss")}
     if getattr(model.config, "use_cache", None) is not None:
         inputs["use_cache"] = False
