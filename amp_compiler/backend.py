@@ -29,7 +29,7 @@ class CompileRecord:
     index: int
     dtype: str
     dtype_reason: str
-    graph: torch.fx.GraphModule  # the rewritten ATen graph given to the inner compiler
+    graph: torch.fx.GraphModule  # the graph given to the inner compiler (Dynamo's own under FP32)
     plan: GraphPlan
     passes: list[PassRecord] = field(default_factory=list)
     options: AmpOptions | None = None
@@ -69,6 +69,8 @@ class AmpBackend:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
         dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
+        if dtype == "fp32":
+            return self._record_unapplied(gm, example_inputs, opts, reason)
         aten_gm, fake_mode, inputs = to_aten(gm, example_inputs)
         ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
                           fake_mode=fake_mode, graph_index=self.compiled)
@@ -77,14 +79,36 @@ class AmpBackend:
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
-        self.compiled += 1
-        self.records.append(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
-        del self.records[:-self.max_records]
-        s = plan.summary()
-        log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", ctx.graph_index,
-                 s["nodes"]["LOW"], sum(s["nodes"].values()), dtype, s["nodes"]["FP32"],
-                 s["casts"], reason)
+        self._record(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
         return aten_gm
+
+    def _record_unapplied(self, gm, example_inputs, opts, reason) -> torch.fx.GraphModule:
+        """FP32: Dynamo's graph goes on unchanged; the BF16 plan is recorded for inspection."""
+        index = self.compiled
+        try:
+            aten_gm, fake_mode, _ = to_aten(gm, example_inputs)
+            ctx = PassContext(policy=opts.policy(torch.bfloat16), options=opts,
+                              fake_mode=fake_mode, graph_index=index)
+            passes = run_pipeline(aten_gm, ctx, self.pipeline)
+            plan = GraphPlan.from_graph(aten_gm, index, "fp32", f"{reason}; plan shown is BF16's")
+        except Exception as e:  # the plan is information only: never fail an FP32 run over it
+            passes = []
+            plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
+        plan.applied = False
+        self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts))
+        return gm
+
+    def _record(self, record: CompileRecord) -> None:
+        self.compiled += 1
+        self.records.append(record)
+        del self.records[:-self.max_records]
+        s = record.plan.summary()
+        if not record.plan.applied:
+            log.info("graph %d: FP32, handed on unchanged (%s)", record.index, record.dtype_reason)
+            return
+        log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", record.index,
+                 s["nodes"]["LOW"], sum(s["nodes"].values()), record.dtype, s["nodes"]["FP32"],
+                 s["casts"], record.dtype_reason)
 
     def plan(self) -> PrecisionPlan:
         return PrecisionPlan([r.plan for r in self.records])

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a small transformer with FP32 and with the amp training "
                        "step; print losses, the plan summary and the speed ratio.")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "auto"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="auto: what this machine runs fast (BF16, else FP16, else FP32)")
     p.add_argument("--inner", choices=["inductor", "aot_eager", "eager"], default="inductor")
     p.set_defaults(func=cmd_demo)
     return parser

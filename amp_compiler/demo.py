@@ -64,7 +64,7 @@ class RunResult:
     seconds_per_step: float
 
 
-def run_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor", batch_size: int = 8,
+def run_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor", batch_size: int = 8,
              seq: int = 128, vocab: int = 64, d: int = 384, seed: int = 0, progress=None) -> dict:
     """Train the same initial model with FP32 and with the amp training step; return both."""
     from .train import make_train_step
@@ -112,14 +112,18 @@ def run_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor", bat
             "skipped_steps": step.skipped_steps}
 
 
-def print_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor") -> dict:
-    """The README's main job: train, with a progress bar, then print the comparison."""
+def print_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor") -> dict:
+    """The README's main job: say which precision and why, train with a progress bar, compare."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from .device import resolve_dtype
+
     console = Console()
-    console.print(f"Training a small transformer for {steps} steps: FP32 vs amp ({dtype}), "
+    choice, reason = resolve_dtype(dtype, torch.device("cpu"))
+    console.print(f"Precision: {choice} ({reason})")
+    console.print(f"Training a small transformer for {steps} steps: FP32 vs amp ({choice}), "
                   f"inner compiler {inner} (the first steps include compilation)")
     columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
@@ -133,7 +137,6 @@ def print_demo(steps: int = 100, dtype: str = "bf16", inner: str = "inductor") -
 
         out = run_demo(steps=steps, dtype=dtype, inner=inner, progress=progress)
     console.print(f"\nPrecision plan: {out['plan'].format_summary()}")
-    console.print(f"dtype: {out['dtype']} ({out['dtype_reason']})")
     table = Table("run", "final train loss", "held-out accuracy", "ms/step")
     for r in out["results"]:
         table.add_row(r.name, f"{r.loss:.4f}", f"{r.accuracy:.3f}", f"{r.seconds_per_step * 1e3:.1f}")

@@ -1,47 +1,110 @@
-"""Which low dtype a device supports: the probe behind ``dtype="auto"``.
+"""Which precision a device runs fast: the probe behind ``dtype="auto"``.
 
-Tests replace ``bf16_support`` to exercise the FP16 fallback.
+``auto`` picks BF16 where the device computes it natively (CUDA sm_80+, a CPU
+whose oneDNN reports native BF16), FP16 with dynamic loss scaling where only
+FP16 is native (CUDA sm_70/sm_75, a CPU with native FP16), and otherwise FP32:
+a CPU without native BF16 emulates it ~37x slower than FP32, so mixed precision
+there would be correct and useless. An explicit "bf16"/"fp16" on such a device
+still does what was asked, with one WARNING per process giving the slowdown a
+tiny matmul measured.
+
+Tests replace ``native_dtypes`` to play other devices.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("amp_compiler")
+
+_warned: set[tuple[str, str]] = set()
 
 
-def bf16_support(device: torch.device) -> tuple[bool, str]:
-    """(supported, reason) for BF16 compute on ``device``."""
+def native_dtypes(device: torch.device) -> tuple[frozenset[str], str]:
+    """(16-bit dtypes ``device`` computes natively, a description of the device)."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            return False, "CUDA is not available"
+            return frozenset(), "CUDA is not available"
         major, minor = torch.cuda.get_device_capability(device)
-        name = torch.cuda.get_device_name(device)
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return True, f"{name} (sm_{major}{minor}) has BF16 tensor cores"
-        return False, f"{name} (sm_{major}{minor}) has no BF16 tensor cores (needs Ampere, sm_80+)"
+        name = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+        if major >= 8:
+            return frozenset({"bf16", "fp16"}), f"{name} has BF16 tensor cores"
+        if major == 7:
+            return frozenset({"fp16"}), f"{name} has FP16 tensor cores, no BF16 (needs sm_80+)"
+        return frozenset(), f"{name} has no 16-bit tensor cores"
     if device.type == "cpu":
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return True, ("CPU with native BF16 (oneDNN)" if native else
-                      "CPU without native BF16: computed correctly, but slower than FP32")
+        bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        found = frozenset(d for d, ok in (("bf16", bf16), ("fp16", fp16)) if ok)
+        if bf16:
+            return found, "CPU with native BF16 (oneDNN)"
+        if fp16:
+            return found, "CPU with native FP16, no native BF16 (oneDNN)"
+        return found, "CPU without native BF16 or FP16 (oneDNN emulates them)"
     if device.type == "mps":
-        return True, "Apple GPU supports BF16 (macOS 14+)"
-    return False, f"no BF16 capability probe for device type {device.type!r}"
+        return frozenset({"bf16", "fp16"}), "Apple GPU"
+    return frozenset(), f"no 16-bit capability probe for device type {device.type!r}"
 
 
 def resolve_dtype(requested: str, device: torch.device) -> tuple[str, str]:
-    """Turn "bf16" / "fp16" / "auto" into a concrete choice and its reason."""
+    """Turn "bf16" / "fp16" / "fp32" / "auto" into a concrete choice and its reason."""
+    native, about = native_dtypes(device)
     if requested != "auto":
+        if requested != "fp32" and requested not in native:
+            _warn_emulated(requested, device, about)
+            return requested, f"dtype={requested!r} requested ({about}: emulated, slower than FP32)"
         return requested, f"dtype={requested!r} requested"
-    ok, why = bf16_support(device)
-    if ok:
-        choice, reason = "bf16", f"auto: {why}"
+    if "bf16" in native:
+        choice, reason = "bf16", f"auto: {about}"
+    elif "fp16" in native:
+        choice, reason = "fp16", f"auto: {about}; FP16 with dynamic loss scaling"
     else:
-        choice, reason = "fp16", f"auto: {why}; falling back to FP16 with dynamic loss scaling"
+        choice, reason = "fp32", (f"auto: {about}; FP32, since 16 bit would run slower "
+                                  "(the plan is still recorded, not applied)")
     log.info("amp dtype on %s: %s (%s)", device, choice, reason)
     return choice, reason
+
+
+def _warn_emulated(dtype: str, device: torch.device, about: str) -> None:
+    key = (dtype, device.type)
+    if key in _warned:
+        return
+    _warned.add(key)
+    factor = slowdown(dtype, device)
+    measured = f"a 256x256 matmul ran {factor:.0f}x slower than in FP32 here" if factor else "not measured"
+    log.warning("amp: dtype=%r on %s: %s runs emulated (%s). Running as asked; dtype='auto' "
+                "would choose FP32 on this device.", dtype, device, dtype.upper(), measured)
+
+
+def slowdown(dtype: str, device: torch.device, n: int = 256, reps: int = 5) -> float | None:
+    """Median time of an ``n``x``n`` matmul in ``dtype`` over FP32's, on ``device``."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    try:
+        a = torch.randn(n, n, device=device)
+        times = {}
+        for dt in (torch.float32, low):
+            x = a.to(dt)
+            x @ x  # warm-up: kernel selection
+            samples = []
+            for _ in range(reps):
+                _sync(device)
+                t0 = time.perf_counter()
+                x @ x
+                _sync(device)
+                samples.append(time.perf_counter() - t0)
+            times[dt] = statistics.median(samples)
+        return times[low] / max(times[torch.float32], 1e-9)
+    except Exception:  # a probe must never stop a compile
+        return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def device_of(example_inputs) -> torch.device:

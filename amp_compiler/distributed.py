@@ -6,7 +6,8 @@ says to configure precision once, globally. Two checks, used by
 ``make_train_step`` whenever ``torch.distributed`` is initialised:
 
 - ``agree_on_dtype``: with ``dtype="auto"`` every rank probes its own device;
-  if any rank lacks BF16, all ranks fall back to FP16 together. An explicit
+  if any rank lacks BF16, all ranks fall back to FP16 together (to FP32 if any
+  rank has no fast 16 bit at all). An explicit
   dtype that differs between ranks is an error.
 - ``check_same_plan``: after the first compile, the plans' fingerprints (every
   node's op and precision) are compared; a difference names the ranks.
@@ -47,10 +48,13 @@ def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tupl
                 f"ranks were given different dtypes ({ranks}); every rank must train in one "
                 "precision: pass the same dtype everywhere, or dtype='auto' to agree automatically")
         return choice, reason
-    if any(c == "fp16" for c, _, _ in choices):
-        first = next(i for i, (c, _, _) in enumerate(choices) if c == "fp16")
-        return "fp16", (f"auto, agreed across {len(choices)} ranks: rank {first} has no BF16 "
-                        f"({choices[first][2]}); every rank uses FP16 with loss scaling")
+    # the weakest device decides: FP32 if any rank lacks fast 16 bit, else FP16 if any lacks BF16
+    for weaker, lacks, then in (("fp32", "fast 16-bit", "FP32"),
+                                ("fp16", "BF16", "FP16 with loss scaling")):
+        if any(c == weaker for c, _, _ in choices):
+            first = next(i for i, (c, _, _) in enumerate(choices) if c == weaker)
+            return weaker, (f"auto, agreed across {len(choices)} ranks: rank {first} has no {lacks} "
+                            f"({choices[first][2]}); every rank uses {then}")
     return choice, f"{reason}; agreed across {len(choices)} ranks"
 
 

@@ -12,11 +12,12 @@ import torch
 
 from .policy import Policy
 
-DTYPES = ("bf16", "fp16", "auto")
+DTYPES = ("bf16", "fp16", "fp32", "auto")
 INNER_NAMES = ("inductor", "aot_eager", "eager")
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
+    "fp32": "fp32", "float32": "fp32", torch.float32: "fp32",
     "auto": "auto",
 }
 
@@ -29,8 +30,9 @@ class AmpOptionsError(ValueError):
 class AmpOptions:
     """Everything the backend can be told.
 
-    dtype: "bf16" (default), "fp16", or "auto" (BF16 where the device supports
-        it, else FP16; the choice and reason are recorded).
+    dtype: "bf16" (default), "fp16", "fp32" (graph handed on unchanged, the BF16
+        plan recorded only) or "auto" (what the device runs fast: BF16, else FP16,
+        else FP32; the choice and reason are recorded).
     inner: code generator that receives the rewritten graph: "inductor",
         "aot_eager", "eager", or a callable ``(gm, example_inputs) -> callable``.
     low_ops / fp32_ops / promote_ops / passthrough_ops: ATen ops forced into that

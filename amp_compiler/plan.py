@@ -69,6 +69,7 @@ class GraphPlan:
     nodes: list[NodePlan] = field(default_factory=list)
     casts: list[CastPlan] = field(default_factory=list)
     unknown_ops: dict[str, int] = field(default_factory=dict)
+    applied: bool = True  # False: dtype "fp32", the nodes show the BF16 plan not applied
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, index: int, dtype: str, dtype_reason: str) -> GraphPlan:
@@ -172,7 +173,7 @@ class PrecisionPlan:
                        "for": c.consumer, "bytes": c.bytes} for c in self.casts],
             "summary": self.summary(),
             "graphs": [{"index": g.index, "dtype": g.dtype, "dtype_reason": g.dtype_reason,
-                        "summary": g.summary()} for g in self.graphs],
+                        "applied": g.applied, "summary": g.summary()} for g in self.graphs],
         }
 
     def format_summary(self) -> str:
@@ -182,6 +183,10 @@ class PrecisionPlan:
         parts = ", ".join(f"{k} {v}" for k, v in n.items())
         unknown = f"; unknown ops: {s['unknown_ops']}" if s["unknown_ops"] else ""
         mb = "" if s["cast_bytes"] is None else f" ({s['cast_bytes'] / 2**20:.2f} MiB)"
+        if self.graphs and not any(g.applied for g in self.graphs):
+            return (f"fp32: {total} ops in {s['graphs']} graph(s) run as written; the BF16 plan "
+                    f"would have been {parts}, {s['casts']} casts{mb}{unknown} "
+                    f"({self.graphs[0].dtype_reason})")
         return (f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; "
                 f"{s['casts']} casts inserted{mb}{unknown}")
 

@@ -13,8 +13,8 @@ keys. What it adds:
 - ``last_step_skipped`` / ``skipped_steps``: read after ``step()``; the value
   comes from the one ``.item()`` GradScaler already does, so reading it costs
   nothing more.
-- ``dtype``: ``"bf16"`` / ``torch.bfloat16`` turns scaling off, a documented
-  no-op (BF16 has FP32's exponent range: nothing underflows that FP32 keeps).
+- ``dtype``: ``"bf16"`` / ``torch.bfloat16`` (or FP32) turns scaling off, a
+  documented no-op (BF16 has FP32's exponent range: nothing underflows that FP32 keeps).
   ``scale()`` returns its input, ``step()`` calls ``optimizer.step()``.
 """
 
@@ -29,7 +29,7 @@ from torch.amp import GradScaler
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 log = logging.getLogger(__name__)
-_BF16 = ("bf16", "bfloat16", torch.bfloat16)
+_UNSCALED = ("bf16", "bfloat16", torch.bfloat16, "fp32", "float32", torch.float32)
 
 
 class LossScaler(GradScaler):
@@ -52,8 +52,8 @@ class LossScaler(GradScaler):
         if not isinstance(hysteresis, int) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
         self.dtype = dtype
-        if dtype in _BF16 and enabled:
-            log.info("LossScaler: BF16 needs no loss scaling; scaling is off (a no-op)")
+        if dtype in _UNSCALED and enabled:
+            log.info("LossScaler: %s needs no loss scaling; scaling is off (a no-op)", dtype)
             enabled = False
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.min_scale, self.max_scale = min_scale, max_scale

@@ -151,7 +151,11 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: LossScaler | None = None, monitor: NonFiniteMonitor | None = None,
                     max_grad_norm: float | None = None, grad_accum: int = 1, lr_scheduler=None,
                     compile_options: dict | None = None) -> TrainStep:
-    """Build a ``TrainStep`` (see the module docstring). ``dtype``: "auto", "bf16" or "fp16"."""
+    """Build a ``TrainStep`` (see the module docstring).
+
+    ``dtype``: "auto" (what the device runs fast: BF16, else FP16 with loss scaling, else
+    FP32 without a scaler), "bf16", "fp16" or "fp32".
+    """
     _check_master_weights(model)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
@@ -166,6 +170,8 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scaler = LossScaler(device.type, dtype=choice)
     elif choice == "bf16" and scaler.is_enabled():
         raise ValueError("BF16 needs no loss scaling: pass no scaler, or LossScaler(..., dtype='bf16')")
+    elif choice == "fp32" and scaler.is_enabled():
+        log.info("amp: training in FP32 (%s); the loss scaler given is kept but not needed", reason)
     elif choice == "fp16" and not scaler.is_enabled():
         log.warning("amp: FP16 without loss scaling; small gradients will underflow to zero")
     if monitor is None:

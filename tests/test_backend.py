@@ -201,7 +201,7 @@ def test_backend_options_through_torch_compile():
 
 @pytest.mark.parametrize("options,match", [
     ({"dtyp": "bf16"}, r"unknown option\(s\) \['dtyp'\]; valid options are \[.*'dtype'"),
-    ({"dtype": "fp8"}, r"dtype='fp8' is not valid; use one of \('bf16', 'fp16', 'auto'\)"),
+    ({"dtype": "fp8"}, r"dtype='fp8' is not valid; use one of \('bf16', 'fp16', 'fp32', 'auto'\)"),
     ({"inner": "nope"}, r"inner='nope' is not a torch.compile backend"),
     ({"fp32_ops": ["aten.nothing"]}, r"no ATen op named 'aten.nothing'"),
     ({"fp32_modules": ["("]}, r"fp32_modules pattern '\(' is not a regex"),
@@ -318,8 +318,8 @@ def test_autocast_disabled_region_is_pinned_fp32():
 
 def test_auto_dtype_falls_back_to_fp16_without_bf16(monkeypatch):
     """dtype='auto' picks FP16 when the probe says no BF16, and records why."""
-    monkeypatch.setattr(amp_compiler.device, "bf16_support",
-                        lambda device: (False, "fake device without BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset({"fp16"}), "fake device without BF16"))
     backend = AmpBackend(dtype="auto", inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
     rec = backend.records[0]
@@ -328,11 +328,60 @@ def test_auto_dtype_falls_back_to_fp16_without_bf16(monkeypatch):
 
 
 def test_auto_dtype_picks_bf16_when_supported(monkeypatch):
-    monkeypatch.setattr(amp_compiler.device, "bf16_support", lambda device: (True, "fake BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset({"bf16", "fp16"}), "fake BF16"))
     backend = AmpBackend(dtype="auto", inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
     assert backend.records[0].dtype == "bf16"
     assert backend.records[0].dtype_reason == "auto: fake BF16"
+
+
+def test_auto_dtype_is_fp32_without_fast_16_bit_and_hands_the_graph_on(monkeypatch):
+    """No native BF16/FP16: Dynamo's graph reaches the inner compiler as it came, nothing
+    executes in 16 bit, and the plan that was not applied is recorded with the reason."""
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append(gm)
+        return recording_backend(rec)(gm, example_inputs)
+
+    rec = OpRecorder()
+    model = MLP()
+    backend = AmpBackend(dtype="auto", inner=inner)
+    x = torch.randn(2, 16)
+    out = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    rec_ = backend.records[0]
+    assert rec_.dtype == "fp32" and "fake CPU emulating 16 bit" in rec_.dtype_reason
+    assert seen[0] is rec_.graph and not rec_.plan.applied
+    calls = rec.dtypes_of(aten.mm, aten.addmm)
+    assert calls and all(d == torch.float32 for call in calls for d in call)
+    plan = backend.plan()
+    assert plan.by_op("aten.linear")[0].precision == "LOW"  # what BF16 would have done
+    assert "run as written" in plan.format_summary()
+
+
+def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_factor(monkeypatch, caplog):
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "_warned", set())
+    rec = OpRecorder()
+    with caplog.at_level("WARNING", logger="amp_compiler"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            backend = AmpBackend(dtype="bf16", inner=recording_backend(rec))
+            torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
+    warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warnings) == 1 and "x slower than in FP32" in warnings[0], warnings
+    assert backend.records[0].dtype == "bf16" and "emulated" in backend.records[0].dtype_reason
+    assert any(call[:2] == [torch.bfloat16] * 2 for call in rec.dtypes_of(aten.addmm, aten.mm))
+
+
+def test_slowdown_probe_measures_a_ratio():
+    factor = amp_compiler.device.slowdown("bf16", torch.device("cpu"), n=64, reps=3)
+    assert factor is not None and factor > 0
 
 
 def test_integer_inputs_and_float64_buffers_untouched():

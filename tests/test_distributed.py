@@ -27,12 +27,16 @@ def _worker(rank, port, scenario, results):
         from amp_compiler import device
         from amp_compiler.distributed import PrecisionMismatchError
 
-        # rank 1 has no BF16 (a mixed fleet); rank 0 does
-        device.bf16_support = lambda d: (rank == 0, f"fake rank {rank}")
+        # a mixed fleet: rank 0 has BF16; rank 1 has FP16 only, or (scenario "auto-fp32")
+        # no fast 16 bit at all
+        rank1 = frozenset() if scenario == "auto-fp32" else frozenset({"fp16"})
+        device.native_dtypes = lambda d: (frozenset({"bf16", "fp16"}) if rank == 0 else rank1,
+                                          f"fake rank {rank}")
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dtype = {"auto": "auto", "pins": "bf16"}.get(scenario, "bf16" if rank == 0 else "fp16")
+        dtype = {"auto": "auto", "auto-fp32": "auto", "pins": "bf16"}.get(
+            scenario, "bf16" if rank == 0 else "fp16")
         options = {"inner": "eager"}
         if scenario == "pins" and rank == 1:
             options["fp32_modules"] = ["^0$"]  # this rank alone pins the first Linear
@@ -59,6 +63,13 @@ def test_auto_dtype_agrees_across_ranks_fp16_when_any_rank_lacks_bf16():
     assert r[0][1] == r[1][1] == "fp16"
     assert "rank 1 has no BF16" in r[0][2]
     assert r[0][3] == r[1][3]  # same plan fingerprint
+
+
+def test_auto_dtype_agrees_on_fp32_when_any_rank_has_no_fast_16_bit():
+    r = run("auto-fp32")
+    assert r[0][0] == r[1][0] == "ok"
+    assert r[0][1] == r[1][1] == "fp32"
+    assert "rank 1 has no fast 16-bit" in r[0][2]
 
 
 def test_explicit_different_dtypes_across_ranks_is_an_error():

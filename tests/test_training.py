@@ -290,7 +290,8 @@ def test_low_precision_training_reaches_fp32_loss(dtype):
 
 
 def test_auto_dtype_falls_back_to_fp16_with_scaling(monkeypatch, caplog):
-    monkeypatch.setattr(amp_compiler.device, "bf16_support", lambda d: (False, "fake: no BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda d: (frozenset({"fp16"}), "fake: no BF16"))
     model = mlp()
     with caplog.at_level(logging.INFO, logger="amp_compiler"):
         step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
@@ -303,12 +304,36 @@ def test_auto_dtype_falls_back_to_fp16_with_scaling(monkeypatch, caplog):
 
 
 def test_auto_dtype_bf16_has_no_scaling(monkeypatch):
-    monkeypatch.setattr(amp_compiler.device, "bf16_support", lambda d: (True, "fake: BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda d: (frozenset({"bf16"}), "fake: BF16"))
     model = mlp()
     step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
                            compile_options=INNER)
     assert step.dtype == "bf16" and not step.scaler.is_enabled()
     assert step(*data()).scale == 1.0
+
+
+def test_auto_dtype_trains_fp32_without_scaler_where_16_bit_is_emulated(monkeypatch):
+    """No fast 16 bit: the step trains the FP32 program itself (same losses as a plain
+    FP32 loop, bit for bit), with no scaler, and says why."""
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda d: (frozenset(), "fake: emulated 16 bit"))
+    model, ref = mlp(), mlp()
+    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.mse_loss,
+                           compile_options=INNER)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert step.dtype == "fp32" and not step.scaler.is_enabled()
+    assert "fake: emulated 16 bit" in step.dtype_reason
+    for i in range(3):
+        x, y = data(seed=i)
+        r = step(x, y)
+        loss = F.mse_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert r.scale == 1.0 and not r.skipped
+        assert r.loss.item() == loss.item()
+    assert not step.backend.plan().graphs[0].applied
 
 
 def test_checkpoint_resume_reproduces_uninterrupted_run():
