@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.amp import GradScaler
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 log = logging.getLogger(__name__)
 _UNSCALED = ("bf16", "bfloat16", torch.bfloat16, "fp32", "float32", torch.float32)
@@ -106,6 +106,18 @@ class LossScaler(GradScaler):
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
             self._pending_found = sum(found) if found else None
         return retval
+
+    def record_found_inf(self, optimizer, found_inf: torch.Tensor) -> None:
+        """Take the Inf/NaN flag of an update done outside ``step()`` (the training step's
+        fused update), so that ``update()`` backs off or grows as after ``step()``."""
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {found_inf.device: found_inf.float()}
+        state["stage"] = OptState.STEPPED
+
+    def settle(self, skipped: bool) -> None:
+        """The host learned whether the recorded step was skipped (no extra sync)."""
+        self._last_skipped = skipped
+        self._skipped_steps += skipped
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:

@@ -10,8 +10,12 @@ BF16), the allow/deny lists (the backend's policy). Each call runs:
     -> scale update -> scheduler step (only if the optimizer stepped)
     -> Inf/NaN monitor
 
-and returns ``StepResult(loss, skipped, scale, grad_norm)``. The one host sync
-per optimizer step is the finite check (GradScaler's own ``.item()``).
+and returns ``StepResult(loss, skipped, scale, grad_norm)``. For Adam, AdamW and
+SGD everything after backward is one generated program (``optim.FusedUpdate``:
+the skip is decided on the device) followed by the scale update, and the one host
+synchronisation per optimizer step reads skipped / scale before / scale after
+together; accumulation micro-steps synchronise nothing. Other optimizers run
+their own ``step()`` behind GradScaler's finite check.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .backend import AmpBackend
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, check_same_plan
 from .monitor import NonFiniteMonitor
+from .optim import FusedUpdate, unsupported
 from .options import AmpOptions
 from .scaler import LossScaler
 
@@ -54,7 +59,7 @@ class TrainStep:
     """
 
     def __init__(self, model, optimizer, loss_fn, *, dtype, dtype_reason, scaler, monitor,
-                 max_grad_norm, grad_accum, lr_scheduler, backend):
+                 max_grad_norm, grad_accum, lr_scheduler, backend, fused=None):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
         self.scaler, self.monitor, self.backend = scaler, monitor, backend
@@ -66,6 +71,8 @@ class TrainStep:
         self.skipped_steps = 0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
+        self._one = None
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
         if isinstance(inputs, dict):
@@ -82,8 +89,36 @@ class TrainStep:
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step
             return StepResult(loss.detach(), False, self._last_scale, None, stepped=False)
+        if self.fused is not None:
+            return self._fused_step(loss.detach())
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self._optimizer_step(loss.detach(), scale)
+
+    def _fused_step(self, loss: torch.Tensor) -> StepResult:
+        """Unscale, check, clip, update (or skip) and the scale update all on the device;
+        one host synchronisation reads what happened."""
+        scaler = self.scaler
+        if scaler.is_enabled():
+            scale = scaler._scale
+            before = scale.clone()
+        else:
+            if self._one is None:
+                self._one = torch.ones((), device=self._params[0].device)
+            scale = before = self._one
+        found, grad_norm = self.fused(scale)
+        if scaler.is_enabled():
+            scaler.record_found_inf(self.optimizer, found)
+            scaler.update()
+        after = scaler._scale if scaler.is_enabled() else before
+        skipped_f, scale_before, scale_after = torch.stack(
+            [found.float(), before.float(), after.float()]).tolist()  # the one sync
+        skipped = bool(skipped_f)
+        if scaler.is_enabled():
+            scaler.settle(skipped)
+        if not skipped:
+            self.optimizer._opt_called = True  # what optimizer.step() tells an LR scheduler
+        return self._after_step(loss, skipped, scale_before, scale_after if scaler.is_enabled() else None,
+                                grad_norm)
 
     def _optimizer_step(self, loss: torch.Tensor, scale: float) -> StepResult:
         scaler = self.scaler
@@ -102,15 +137,27 @@ class TrainStep:
             if not skipped:
                 self.optimizer.step()
             scale_after = None
+        return self._after_step(loss, skipped, scale, scale_after, grad_norm)
+
+    def _after_step(self, loss, skipped: bool, scale: float, scale_after: float | None,
+                    grad_norm) -> StepResult:
         if not skipped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         self.skipped_steps += skipped
+        enabled = self.scaler.is_enabled()
+        event = None
         if self.monitor is not None:
-            self.monitor.observe(skipped, scale_before=scale if scaler.is_enabled() else None,
-                                 scale_after=scale_after, scaler=scaler, dtype=self.dtype)
-        self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+            event = self.monitor.observe(skipped, scale_before=scale if enabled else None,
+                                         scale_after=scale_after, scaler=self.scaler, dtype=self.dtype)
+        # scale for the next micro-steps: the update's, or the monitor's lower one after an alert
+        if not enabled:
+            self._last_scale = 1.0
+        elif event is not None and event.scale_after is not None:
+            self._last_scale = event.scale_after
+        else:
+            self._last_scale = scale_after
         return StepResult(loss, skipped, scale, grad_norm, stepped=not skipped)
 
     def _check_finite_unscaled(self) -> None:
@@ -150,11 +197,15 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     loss_fn: Callable[..., torch.Tensor], *, dtype: str = "auto",
                     scaler: LossScaler | None = None, monitor: NonFiniteMonitor | None = None,
                     max_grad_norm: float | None = None, grad_accum: int = 1, lr_scheduler=None,
-                    compile_options: dict | None = None) -> TrainStep:
+                    compile_options: dict | None = None,
+                    fused_update: bool | None = None) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
     ``dtype``: "auto" (what the device runs fast: BF16, else FP16 with loss scaling, else
-    FP32 without a scaler), "bf16", "fp16" or "fp32".
+    FP32 without a scaler), "bf16", "fp16" or "fp32". ``fused_update``: None (default) runs
+    unscale/check/clip/update as one generated program for Adam, AdamW and SGD (compiled by
+    Inductor when the backend's inner compiler is Inductor) and ``optimizer.step()`` for
+    any other optimizer; True requires it, False always uses ``optimizer.step()``.
     """
     _check_master_weights(model)
     if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -179,7 +230,21 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     backend = AmpBackend(options, dtype=choice)
     return TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
                      monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
-                     lr_scheduler=lr_scheduler, backend=backend)
+                     lr_scheduler=lr_scheduler, backend=backend,
+                     fused=_fused_update(optimizer, max_grad_norm, fused_update, backend))
+
+
+def _fused_update(optimizer, max_grad_norm, wanted: bool | None, backend) -> FusedUpdate | None:
+    if wanted is False:
+        return None
+    why = unsupported(optimizer)
+    if why:
+        if wanted:
+            raise ValueError(f"fused_update=True: {why}; pass fused_update=None to fall back "
+                             "to the optimizer's own step()")
+        log.info("amp training step: optimizer.step() (%s)", why)
+        return None
+    return FusedUpdate(optimizer, max_grad_norm, compile=backend.options.inner == "inductor")
 
 
 def _check_master_weights(model: torch.nn.Module) -> None:

@@ -314,8 +314,8 @@ def test_auto_dtype_bf16_has_no_scaling(monkeypatch):
 
 
 def test_auto_dtype_trains_fp32_without_scaler_where_16_bit_is_emulated(monkeypatch):
-    """No fast 16 bit: the step trains the FP32 program itself (same losses as a plain
-    FP32 loop, bit for bit), with no scaler, and says why."""
+    """No fast 16 bit: the step trains the FP32 program itself (a plain FP32 loop's losses,
+    up to the fused update's rounding), with no scaler, and says why."""
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
                         lambda d: (frozenset(), "fake: emulated 16 bit"))
     model, ref = mlp(), mlp()
@@ -332,7 +332,7 @@ def test_auto_dtype_trains_fp32_without_scaler_where_16_bit_is_emulated(monkeypa
         loss.backward()
         opt.step()
         assert r.scale == 1.0 and not r.skipped
-        assert r.loss.item() == loss.item()
+        assert abs(r.loss.item() - loss.item()) <= 1e-5 * abs(loss.item())
     assert not step.backend.plan().graphs[0].applied
 
 
