@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,8 +70,14 @@ class AmpBackend:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
         dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
-        if dtype == "fp32":
-            return self._record_unapplied(gm, example_inputs, opts, reason)
+        # A user's saved-tensor hooks (activation offloading, e.g. save_on_cpu) wrap the
+        # compiled call at run time; they must not see the fake tensors we trace with.
+        with _saved_tensors_hooks_off():
+            if dtype == "fp32":
+                return self._record_unapplied(gm, example_inputs, opts, reason)
+            return self._rewrite(gm, example_inputs, opts, dtype, reason)
+
+    def _rewrite(self, gm, example_inputs, opts, dtype, reason) -> torch.fx.GraphModule:
         aten_gm, fake_mode, inputs = to_aten(gm, example_inputs)
         ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
                           fake_mode=fake_mode, graph_index=self.compiled)
@@ -118,18 +125,28 @@ class AmpBackend:
         self.compiled = 0
 
 
+def _saved_tensors_hooks_off():
+    """What AOTAutograd does while it traces (torch/_functorch/aot_autograd.py)."""
+    off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    return off() if off is not None else contextlib.nullcontext()
+
+
 def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        from amp_compiler.passes.saved_copies import ReuseSavedCopies
+
+        patches = {}
         if mode and mode != "default":
             from torch._inductor import list_mode_options
 
-            patches = list_mode_options(mode)
-            return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
-        return compile_fx
+            patches = dict(list_mode_options(mode))
+        # backward reads the 16-bit copies of FP32 islands that are saved anyway
+        patches["joint_custom_pre_pass"] = ReuseSavedCopies()
+        return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
     from torch._dynamo import lookup_backend
 
     return lookup_backend(inner)

@@ -204,7 +204,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``dtype``: "auto" (what the device runs fast: BF16, else FP16 with loss scaling, else
     FP32 without a scaler), "bf16", "fp16" or "fp32". ``fused_update``: None (default) runs
     unscale/check/clip/update as one generated program for Adam, AdamW and SGD (compiled by
-    Inductor when the backend's inner compiler is Inductor) and ``optimizer.step()`` for
+    Inductor unless the backend's inner compiler is "eager" or "aot_eager") and ``optimizer.step()`` for
     any other optimizer; True requires it, False always uses ``optimizer.step()``.
     """
     _check_master_weights(model)
@@ -244,7 +244,9 @@ def _fused_update(optimizer, max_grad_norm, wanted: bool | None, backend) -> Fus
                              "to the optimizer's own step()")
         log.info("amp training step: optimizer.step() (%s)", why)
         return None
-    return FusedUpdate(optimizer, max_grad_norm, compile=backend.options.inner == "inductor")
+    # Inductor generates the update unless the forward itself was asked not to be compiled
+    return FusedUpdate(optimizer, max_grad_norm,
+                       compile=backend.options.inner not in ("eager", "aot_eager"))
 
 
 def _check_master_weights(model: torch.nn.Module) -> None:

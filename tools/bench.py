@@ -1,9 +1,22 @@
-"""Side-by-side training-step benchmark: FP32 vs torch.autocast vs amp, in one process.
+"""Side-by-side benchmark: FP32, torch.autocast and amp, one process, interleaved repetitions.
 
-    python tools/bench.py [--d 512] [--layers 4] [--batch 8] [--seq 128] [--steps 10]
+    python tools/bench.py                                  # CPU: every workload, a table
+    python tools/bench.py --json bench.json --plot bench.png
+    python tools/bench.py --table bench.json               # the README table from a JSON
+    python tools/bench.py --device cuda --size gpt2-small  # adds TFLOP/s and MFU
 
-Prints ms/step and the ratio to FP32 eager for each variant. Variants run one
-after another in the same process; compare ratios, not absolute times.
+Variants (each from the same initial weights, AdamW):
+  fp32-eager, fp32-inductor, autocast-eager, autocast-inductor (GradScaler under FP16),
+  amp (torch.compile(backend=AmpBackend)), amp-step (make_train_step: fused update).
+Workloads: lm-explicit (decoder, matmul-softmax-matmul attention), lm-sdpa (decoder,
+scaled_dot_product_attention), encoder (nn.TransformerEncoder), cnn (conv + BatchNorm).
+Metrics: median training-step and inference time over interleaved repetitions, first-call
+time (compile included, compile caches off), activation bytes saved for backward (parameters
+excluded; 16-bit weight copies count), peak memory (CUDA), floating casts in the training
+graphs Inductor compiled (forward + backward), loss and gradient error vs FP32 eager.
+
+These machines are shared and noisy: compare the ratios of one run, never absolute times
+across runs. Do not run beside another torch process.
 """
 
 from __future__ import annotations
@@ -11,56 +24,465 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from amp_compiler import AmpBackend
-from amp_compiler.demo import DemoLM, batch
+from amp_compiler import AmpBackend, make_train_step
+from amp_compiler.device import native_dtypes, resolve_dtype
+
+VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
+LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
+WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "cnn")
+# dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+               "A10G": 125.0, "V100": 125.0, "T4": 65.0}
+SIZES = {  # LM dimensions: d, layers, heads, batch, seq, vocab
+    "cpu": dict(d=512, layers=4, heads=8, batch=8, seq=128, vocab=2048),
+    "tiny": dict(d=64, layers=1, heads=2, batch=2, seq=16, vocab=64),
+    "gpt2-small": dict(d=768, layers=12, heads=12, batch=8, seq=1024, vocab=50304),
+    "gpt2-medium": dict(d=1024, layers=24, heads=16, batch=4, seq=1024, vocab=50304),
+}
 
 
-def time_steps(model, fn, ids, targets, steps, autocast=False):
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    for i in range(steps + 2):
-        if i == 2:
-            t0 = time.perf_counter()
-        with ctx():
-            loss, _ = fn(ids, targets)
+# ----------------------------------------------------------------------------- workloads
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, explicit: bool):
+        super().__init__()
+        self.heads, self.explicit = heads, explicit
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            a = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, d, layers, heads, seq, vocab, explicit, **_):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, explicit) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, d, layers, heads, vocab, classes=10, **_):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.tok(ids)).mean(1))
+
+
+class CNN(nn.Module):
+    def __init__(self, width=32, classes=10, **_):
+        super().__init__()
+        layers, c = [], 3
+        for w in (width, 2 * width, 4 * width):
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                       nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+            c = w
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def cls_loss(logits, targets):
+    return F.cross_entropy(logits.float(), targets)
+
+
+def build(workload: str, size: dict, device: str):
+    """(model, inputs, targets, loss_fn, flops per training step or None)."""
+    g = torch.Generator().manual_seed(0)
+    b, t, v = size["batch"], size["seq"], size["vocab"]
+    if workload.startswith("lm"):
+        model = LM(explicit=workload == "lm-explicit", **size)
+        ids = torch.randint(0, v, (b, t), generator=g)
+        targets = torch.roll(ids, -1, 1)
+        n = sum(p.numel() for n_, p in model.named_parameters() if not n_.startswith(("tok", "pos")))
+        flops = 6 * n * b * t + 12 * size["layers"] * size["d"] * t * b * t
+        return model, ids.to(device), targets.to(device), lm_loss, flops
+    if workload == "encoder":
+        model = Encoder(**size)
+        ids = torch.randint(0, v, (b, t), generator=g)
+        return model, ids.to(device), torch.randint(0, 10, (b,), generator=g).to(device), cls_loss, None
+    if workload == "cnn":
+        model = CNN(width=max(16, size["d"] // 16))
+        x = torch.randn(2 * b, 3, 64, 64, generator=g)
+        return model, x.to(device), torch.randint(0, 10, (2 * b,), generator=g).to(device), cls_loss, None
+    raise SystemExit(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+
+
+# ----------------------------------------------------------------------------- variants
+
+class CastCounter:
+    """Counts floating-point casts in every graph Inductor compiles (forward and backward,
+    after decomposition) for the variant being compiled: a post-grad pass of Inductor's."""
+
+    def __init__(self):
+        self.current: Variant | None = None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.current is not None:
+            self.current.casts += sum(1 for n in graph.nodes if _is_float_cast(n))
+
+    @contextlib.contextmanager
+    def installed(self):
+        # caches off: a cache hit skips the passes and would also hide the first-call cost
+        with torch._inductor.config.patch(post_grad_custom_post_pass=self, fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+
+
+def _is_float_cast(node) -> bool:
+    if node.op != "call_function" or node.target not in (torch.ops.prims.convert_element_type.default,
+                                                         torch.ops.aten._to_copy.default):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.is_floating_point() and out.is_floating_point() and src.dtype != out.dtype)
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    forward: object  # callable(inputs) -> logits
+    step: object  # callable(inputs, targets) -> loss tensor
+    low: bool  # runs under torch.autocast
+    compiled: bool = False
+    backend: AmpBackend | None = None
+    train_step: object = None  # amp-step: the TrainStep
+    casts: int = 0
+    first: dict = field(default_factory=dict)  # loss and gradients of the first step
+    result: dict = field(default_factory=dict)
+
+
+def make_variant(name, base, loss_fn, dtype, device) -> Variant:
+    model = copy.deepcopy(base)
+    low = name in LOW_VARIANTS
+    ac_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.bfloat16)
+    autocast = (lambda: torch.autocast(device, dtype=ac_dtype)) if low else contextlib.nullcontext
+    if name == "amp-step":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ts = make_train_step(model, opt, loss_fn, dtype=dtype)
+        def train(x, y, grab=None):
+            fused = ts.fused
+
+            def update(scale):  # read the gradients the fused update receives
+                grab["grads"] = [p.grad / scale for p in model.parameters()]
+                return fused(scale)
+
+            if grab is not None and fused is not None:
+                ts.fused = update
+            try:
+                return ts(x, y).loss
+            finally:
+                ts.fused = fused
+
+        return Variant(name, model, ts.compiled, train, False, True, ts.backend, ts)
+    backend = None
+    if name in ("fp32-inductor", "autocast-inductor"):
+        fwd = torch.compile(model)
+    elif name == "amp":
+        backend = AmpBackend(dtype=dtype)
+        fwd = torch.compile(model, backend=backend)
+    else:
+        fwd = model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device) if low and dtype == "fp16" else None
+
+    def step(x, y, grab=None):
+        with autocast():
+            loss = loss_fn(fwd(x), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return (time.perf_counter() - t0) / steps * 1e3, loss.item()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if grab is not None:
+            grab["grads"] = [p.grad.clone() for p in model.parameters()]
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        return loss.detach()
+
+    def forward(x):
+        with autocast():
+            return fwd(x)
+
+    return Variant(name, model, forward, step, low, fwd is not model, backend)
 
 
-def main() -> None:
+# ----------------------------------------------------------------------------- measurements
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def saved_activation_bytes(v: Variant, x, y, loss_fn) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in v.model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(v.forward(x), y)
+    loss.backward()
+    v.model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def first_step(v: Variant, x, y) -> None:
+    v.first["loss"] = v.step(x, y, v.first).item()
+
+
+def errors_vs_fp32(base, x, y, loss_fn, variants) -> None:
+    """Loss and gradient error of each variant's first step vs FP32 eager's, same weights."""
+    ref = copy.deepcopy(base)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ref_g = torch.cat([p.grad.flatten().double() for p in ref.parameters()])
+    for v in variants:
+        grab = v.first
+        r = v.result
+        r["loss_rel_err"] = abs(grab["loss"] - ref_loss.item()) / abs(ref_loss.item())
+        if "grads" not in grab:  # a training step without the fused update exposes none
+            continue
+        g = torch.cat([t.flatten().double() for t in grab["grads"]])
+        r["grad_rel_err"] = ((g - ref_g).norm() / ref_g.norm()).item()
+        r["grad_cos"] = F.cosine_similarity(g, ref_g, dim=0).item()
+
+
+def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> dict:
+    base, x, y, loss_fn, flops = build(workload, size, device)
+    base.to(device)
+    vs, counter = [], CastCounter()
+    for name in variants:
+        torch._dynamo.reset()
+        v = make_variant(name, base, loss_fn, dtype, device)
+        counter.current = v
+        with counter.installed():
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            v.result["first_call_s"] = timed(lambda: first_step(v, x, y), device)
+            v.step(x, y)
+            if device == "cuda":
+                v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
+            v.result["saved_bytes"] = saved_activation_bytes(v, x, y, loss_fn)
+            counter.current = None  # casts are counted in the training graphs only
+            with torch.no_grad():
+                v.forward(x), v.forward(x)  # compile the inference graph, warm up
+        vs.append(v)
+        log(f"  {workload}: {name} ready (first call {v.result['first_call_s']:.1f} s)")
+    samples = {v.name: [] for v in vs}
+    infer = {v.name: [] for v in vs}
+    for _ in range(reps):  # interleaved: every variant once per repetition
+        for v in vs:
+            samples[v.name].append(timed(lambda: [v.step(x, y) for _ in range(steps)], device) / steps)
+        for v in vs:
+            with torch.no_grad():
+                infer[v.name].append(timed(lambda: v.forward(x), device))
+    for v in vs:
+        r = v.result
+        r["step_ms"] = statistics.median(samples[v.name]) * 1e3
+        r["step_ms_samples"] = [s * 1e3 for s in samples[v.name]]
+        r["infer_ms"] = statistics.median(infer[v.name]) * 1e3
+        r["casts"] = v.casts if v.compiled else None
+        if v.backend is not None:
+            s = v.backend.plan().summary()
+            r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
+        if flops and device == "cuda":
+            r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
+            peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+            r["mfu"] = r["tflops"] / peak if peak else None
+    errors_vs_fp32(base, x, y, loss_fn, vs)
+    ref = {v.name: v.result["step_ms"] for v in vs}
+    for v in vs:
+        v.result["vs_fp32_eager"] = ref.get("fp32-eager", math.nan) / v.result["step_ms"]
+        if "autocast-inductor" in ref:
+            v.result["vs_autocast_inductor"] = v.result["step_ms"] / ref["autocast-inductor"]
+    return {"size": size, "flops_per_step": flops, "variants": {v.name: v.result for v in vs}}
+
+
+def machine(device: str, dtype: str, reason: str) -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "python": platform.python_version(), "cpu": cpu, "threads": torch.get_num_threads(),
+            "cpu_kind": native_dtypes(torch.device("cpu"))[1], "device": device,
+            "dtype": dtype, "dtype_reason": reason, "command": " ".join(["python"] + sys.argv)}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ----------------------------------------------------------------------------- output
+
+COLUMNS = ("step ms", "vs fp32 eager", "vs autocast+inductor", "infer ms", "saved MiB",
+           "first call s", "casts", "grad cos")
+
+
+def rows(workload: dict) -> list[tuple[str, ...]]:
+    out = []
+    for name, r in workload["variants"].items():
+        out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x",
+                    f"{r['vs_autocast_inductor']:.2f}" if "vs_autocast_inductor" in r else "-",
+                    f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
+                    f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
+                    f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-")
+                   + ((f"{r['tflops']:.1f}", "-" if r.get("mfu") is None else f"{r['mfu']:.1%}")
+                      if "tflops" in r else ()))
+    return out
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_kind']}, {m['threads']} threads)"
+             + (f", {m['gpu']}" if "gpu" in m else "") + f", torch {m['torch']}, dtype {m['dtype']}"
+             f" ({m['dtype_reason']}); `{m['command']}`. Medians of interleaved repetitions; "
+             "`vs autocast+inductor` is the step-time ratio (below 1 is faster).", ""]
+    for name, w in results["workloads"].items():
+        extra = ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
+        head = ("variant",) + COLUMNS + extra
+        lines += [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows(w)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(results["workloads"])
+    names = [n for n in VARIANTS if any(n in w["variants"] for w in results["workloads"].values())]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(workloads), 4))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ys = [results["workloads"][w]["variants"].get(n, {}).get("vs_fp32_eager", 0) for w in workloads]
+        ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("training-step speed vs FP32 eager (x)")
+    m = results["machine"]
+    ax.set_title(f"{m.get('gpu', m['cpu'])} - {m['dtype']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10)
-    a = p.parse_args()
-    torch.manual_seed(0)
-    base = DemoLM(vocab=256, d=a.d, heads=8, layers=a.layers, seq=a.seq)
-    ids, targets = batch(torch.Generator().manual_seed(0), a.batch, a.seq, 256)
-    variants = [
-        ("fp32 eager", lambda m: m, False),
-        ("autocast bf16 eager", lambda m: m, True),
-        ("fp32 inductor", lambda m: torch.compile(m), False),
-        ("autocast bf16 inductor", lambda m: torch.compile(m), True),
-        ("amp bf16 (inductor)", lambda m: torch.compile(m, backend=AmpBackend()), False),
-    ]
-    print(f"training step, {a.layers}-layer pre-LN transformer d={a.d}, batch {a.batch}x{a.seq}, "
-          f"{torch.get_num_threads()} threads")
-    ref = None
-    for name, wrap, autocast in variants:
-        model = copy.deepcopy(base)
-        ms, loss = time_steps(model, wrap(model), ids, targets, a.steps, autocast)
-        ref = ref or ms
-        print(f"  {name:<24} {ms:8.1f} ms/step   {ref / ms:5.2f}x vs fp32 eager   loss {loss:.4f}",
-              flush=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--size", choices=list(SIZES), default=None,
+                   help="LM dimensions (default: cpu on CPU, gpt2-small on CUDA)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto")
+    p.add_argument("--workloads", default=None, help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
+    p.add_argument("--steps", type=int, default=3, help="training steps per repetition")
+    p.add_argument("--json", help="write every measurement to this file")
+    p.add_argument("--plot", help="write a PNG of step-time ratios (matplotlib)")
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a saved run and exit")
+    a = p.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(markdown(json.load(f)))
+        return 0
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    size = SIZES[a.size or ("gpt2-small" if a.device == "cuda" else "cpu")]
+    workloads = a.workloads.split(",") if a.workloads else (
+        ["lm-sdpa", "lm-explicit"] if a.device == "cuda" else list(WORKLOADS))
+    variants = a.variants.split(",") if a.variants else list(VARIANTS)
+    for bad in set(workloads) - set(WORKLOADS) | set(variants) - set(VARIANTS):
+        p.error(f"unknown workload or variant {bad!r}")
+    dtype, reason = resolve_dtype(a.dtype, torch.device(a.device))
+    if dtype == "fp32":
+        variants = [v for v in variants if v not in LOW_VARIANTS]
+        print(f"{reason}: autocast variants left out (16 bit is emulated here; pass --dtype bf16 "
+              "to time it anyway)", flush=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    results = {"machine": machine(a.device, dtype, reason), "workloads": {}}
+    for w in workloads:
+        results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
+        if a.json:  # a long run keeps what it has measured so far
+            _write_atomic(a.json, json.dumps(results, indent=1))
+    print(markdown(results))
+    if a.plot:
+        plot(results, a.plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Bytes saved for backward, and the benchmark that is the source of the README's figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_compiler import AmpBackend
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import bench  # noqa: E402
+
+from conftest import cosine  # noqa: E402
+
+
+def saved_bytes(fwd, model, x, autocast=False) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fwd(x)
+    out.float().pow(2).mean().backward()
+    return sum(seen.values())
+
+
+def test_explicit_softmax_attention_saves_no_more_than_autocast():
+    """The FP32 softmax's backward reads the BF16 copy the next matmul saves anyway, so the
+    FP32 probabilities are not kept (before: amp saved them beside the BF16 copy)."""
+    torch.manual_seed(0)
+    model = bench.LM(d=64, layers=2, heads=4, seq=32, vocab=128, explicit=True)
+    x = torch.randint(0, 128, (4, 32))
+    ref = model(x).float().pow(2).mean()
+    ref.backward()
+    ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+
+    auto = torch.compile(model)
+    saved_bytes(auto, model, x, autocast=True)
+    theirs = saved_bytes(auto, model, x, autocast=True)
+    model.zero_grad()
+    torch._dynamo.reset()
+    amp = torch.compile(model, backend=AmpBackend(inner="inductor"))
+    saved_bytes(amp, model, x)
+    model.zero_grad()
+    ours = saved_bytes(amp, model, x)
+    assert ours <= theirs, (ours, theirs)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert cosine(grads, ref_grads) >= 0.999
+
+
+def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert bench.main(["--size", "tiny", "--workloads", "lm-explicit", "--variants",
+                       "fp32-eager,amp,amp-step", "--reps", "2", "--steps", "1",
+                       "--json", str(out), "--plot", str(png)]) == 0
+    results = json.loads(out.read_text())
+    runs = results["workloads"]["lm-explicit"]["variants"]
+    assert set(runs) == {"fp32-eager", "amp", "amp-step"}
+    for name, r in runs.items():
+        assert r["step_ms"] > 0 and len(r["step_ms_samples"]) == 2 and r["first_call_s"] > 0
+        assert r["saved_bytes"] > 0 and r["grad_cos"] > 0.99
+    assert runs["amp"]["casts"] > 0 and runs["amp"]["plan"]["nodes"]["LOW"] > 0
+    assert results["machine"]["cpu_kind"] and png.stat().st_size > 1000
+    capsys.readouterr()
+    bench.main(["--table", str(out)])
+    table = capsys.readouterr().out
+    assert "| amp-step |" in table and "python" in table
