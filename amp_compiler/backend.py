@@ -16,7 +16,7 @@ from amp_compiler.passes.faithful import check_gradient_flow
 from .capture import to_aten
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
-from .options import AmpOptions
+from .options import AmpOptions, AmpOptionsError
 from .plan import GraphPlan, PrecisionPlan
 from .policy import LOW_DTYPES
 
@@ -47,7 +47,18 @@ class AmpBackend:
 
     max_records = 1024
 
-    def __init__(self, options: AmpOptions | dict | None = None, **kwargs: Any):
+    def __init__(self, options: AmpOptions | dict | None = None, *, config=None, **kwargs: Any):
+        if config is not None:  # a DeepSpeed-style dict or file: its dtype and "amp" section
+            from .config import AmpConfig, AmpConfigError
+
+            if isinstance(options, AmpOptions):
+                raise AmpOptionsError("config= goes with options given as a dict or keywords, "
+                                      "not an AmpOptions object (whose dtype would hide the config's)")
+            cfg = AmpConfig.load(config)
+            if "dtype" in {**(options or {}), **kwargs} and cfg.dtype is not None:
+                raise AmpConfigError(f"dtype given both as an option and by {cfg.describe()} "
+                                      f"({cfg.dtype}); set it in one place")
+            options = {**cfg.options, **({"dtype": cfg.dtype} if cfg.dtype else {}), **(options or {})}
         if isinstance(options, AmpOptions):
             self.options = options.replace(**kwargs) if kwargs else options
         else:

@@ -58,6 +58,13 @@ def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tupl
     return choice, f"{reason}; agreed across {len(choices)} ranks"
 
 
+def any_rank(flag):
+    """``flag`` (a tensor, nonzero = true) made true on every rank if it is on any."""
+    if _active():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
 def plan_fingerprint(plan: PrecisionPlan) -> str:
     text = "\n".join(f"{n.graph}:{n.op}:{n.precision}:{n.dtype}" for n in plan.nodes)
     return hashlib.sha256(f"{plan.dtype}\n{text}".encode()).hexdigest()[:16]
@@ -73,3 +80,40 @@ def check_same_plan(plan: PrecisionPlan, group=None) -> str:
         detail = "; ".join(f"rank {i}: {d} {n} [{p}]" for i, (p, d, n) in enumerate(prints))
         raise PrecisionMismatchError(f"ranks compiled different precision plans: {detail}")
     return mine
+
+
+class CommStats:
+    """Bytes a DDP comm hook put on the wire (gradient buckets, this rank's share sent)."""
+
+    def __init__(self, dtype: str):
+        self.dtype, self.bytes, self.calls = dtype, 0, 0
+
+    def __repr__(self) -> str:
+        return f"CommStats(dtype={self.dtype!r}, bytes={self.bytes}, calls={self.calls})"
+
+
+def install_comm_hook(ddp_model, dtype: str) -> CommStats:
+    """All-reduce a DDP model's gradients in ``dtype`` ("bf16", "fp16" or "fp32").
+
+    The 16-bit hooks are PyTorch's own compress hooks: each bucket is cast down, averaged
+    across ranks, and cast back, so the optimizer still updates the FP32 master weights
+    with FP32 gradients; half the bytes cross the network.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"ddp_comm_dtype needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook,
+             "fp32": default_hooks.allreduce_hook}
+    if dtype not in hooks:
+        raise ValueError(f"ddp_comm_dtype={dtype!r}: use one of {sorted(hooks)}")
+    stats, inner, width = CommStats(dtype), hooks[dtype], 4 if dtype == "fp32" else 2
+
+    def hook(state, bucket):
+        stats.bytes += bucket.buffer().numel() * width
+        stats.calls += 1
+        return inner(state, bucket)
+
+    ddp_model.register_comm_hook(None, hook)
+    return stats

@@ -24,6 +24,7 @@ class NodeInfo:
     casts: names of the casts inserted in front of this node.
     constants: scalar arguments to replace (argument index or name -> value):
         FP32's extreme as a fill becomes the low dtype's extreme.
+    placed: a flexible node whose dtype the minimum cut chose (kept on a re-run).
     """
 
     precision: Precision
@@ -38,6 +39,7 @@ class NodeInfo:
     boundary: bool = False
     unknown: bool = False
     user_cast: bool = False
+    placed: bool = False  # dtype chosen by place_flexible's minimum cut, not by arrival
     casts: list[str] = field(default_factory=list)
     constants: dict = field(default_factory=dict)
 

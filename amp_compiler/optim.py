@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["FusedUpdate", "unsupported"]
 
@@ -37,6 +38,8 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
             return "amsgrad=True"
         if any(p.dtype != torch.float32 for p in g["params"]):
             return "parameters that are not FP32"
+        if any(type(p).__name__ == "DTensor" or isinstance(p.data, DTensor) for p in g["params"]):
+            return "sharded (DTensor) parameters: the optimizer's own step() handles them"
     return None
 
 

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from .backend import AmpBackend
+from .config import AmpConfig, merge
 from .device import resolve_dtype
-from .distributed import agree_on_dtype, check_same_plan
+from .distributed import agree_on_dtype, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
 from .options import AmpOptions
@@ -64,7 +65,7 @@ class TrainStep:
         self.dtype, self.dtype_reason = dtype, dtype_reason
         self.scaler, self.monitor, self.backend = scaler, monitor, backend
         self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
-        self.compiled = torch.compile(model, backend=backend)
+        self.compiled = _compile(model, backend)
         self.micro_step = 0
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
@@ -72,6 +73,7 @@ class TrainStep:
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
+        self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = None
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
@@ -82,6 +84,11 @@ class TrainStep:
         else:
             output = self.compiled(inputs)
         if self.plan_fingerprint is None:
+            if self.backend.compiled == 0:
+                raise RuntimeError(
+                    "amp: the first step compiled no graph, so the model ran as written in FP32 "
+                    "(Dynamo could not see inside it). Compile the modules it cannot see into "
+                    "yourself, or report the model; amp will not train it in FP32 in silence.")
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = self.loss_fn(output, *targets).float()
         self.scaler.scale(loss / self.grad_accum).backward()
@@ -161,12 +168,13 @@ class TrainStep:
         return StepResult(loss, skipped, scale, grad_norm, stepped=not skipped)
 
     def _check_finite_unscaled(self) -> None:
-        """BF16: no scaler, but a step with Inf/NaN gradients is still skipped."""
-        grads = [p.grad for p in self._params if p.grad is not None]
+        """BF16: no scaler, but a step with Inf/NaN gradients is still skipped, on every rank
+        (sharded gradients: an Inf in one rank's shard is that rank's alone until reduced)."""
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
-        self._found_inf = bool(found.item())
+        self._found_inf = bool(any_rank(found).item())
 
     def _grad_norm(self) -> torch.Tensor:
         params = [p for p in self._params if p.grad is not None]
@@ -194,31 +202,44 @@ class TrainStep:
 
 
 def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    loss_fn: Callable[..., torch.Tensor], *, dtype: str = "auto",
+                    loss_fn: Callable[..., torch.Tensor], *, dtype: str | None = None,
                     scaler: LossScaler | None = None, monitor: NonFiniteMonitor | None = None,
-                    max_grad_norm: float | None = None, grad_accum: int = 1, lr_scheduler=None,
-                    compile_options: dict | None = None,
-                    fused_update: bool | None = None) -> TrainStep:
+                    max_grad_norm: float | None = None, grad_accum: int | None = None,
+                    lr_scheduler=None, compile_options: dict | None = None,
+                    fused_update: bool | None = None, config=None,
+                    ddp_comm_dtype: str | None = None) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
-    ``dtype``: "auto" (what the device runs fast: BF16, else FP16 with loss scaling, else
-    FP32 without a scaler), "bf16", "fp16" or "fp32". ``fused_update``: None (default) runs
-    unscale/check/clip/update as one generated program for Adam, AdamW and SGD (compiled by
-    Inductor unless the backend's inner compiler is "eager" or "aot_eager") and ``optimizer.step()`` for
-    any other optimizer; True requires it, False always uses ``optimizer.step()``.
+    ``dtype``: "auto" (the default: what the device runs fast: BF16, else FP16 with loss
+    scaling, else FP32 without a scaler), "bf16", "fp16" or "fp32".
+    ``config``: a DeepSpeed-style dict or JSON path (``amp_compiler.config``) giving the
+    dtype, the FP16 scaler, the policy ("amp" section), clipping and accumulation; an
+    argument given here as well must agree with it; ``compile_options`` win over its "amp"
+    section.
+    ``fused_update``: None (default) runs unscale/check/clip/update as one generated
+    program for Adam, AdamW and SGD (compiled by Inductor unless the backend's inner
+    compiler is "eager" or "aot_eager") and ``optimizer.step()`` for any other optimizer;
+    True requires it, False always uses ``optimizer.step()``.
+    ``ddp_comm_dtype``: "bf16"/"fp16" all-reduces a DDP model's gradients in 16 bit
+    (PyTorch's compress hooks; ``step.comm`` counts the bytes); the update stays FP32.
     """
     _check_master_weights(model)
+    cfg = AmpConfig.load(config)
+    dtype = merge(dtype, cfg.dtype, "dtype", "auto")
+    max_grad_norm = merge(max_grad_norm, cfg.max_grad_norm, "max_grad_norm")
+    grad_accum = merge(grad_accum, cfg.grad_accum, "grad_accum", 1)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    options = dict(compile_options or {})
-    if "dtype" in options:
+    if "dtype" in (compile_options or {}):
         raise ValueError("pass dtype to make_train_step itself, not in compile_options")
+    options = {**cfg.options, **(compile_options or {})}
     requested = AmpOptions(dtype=dtype).dtype
     choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
     log.info("amp training step: %s (%s)", choice, reason)
     if scaler is None:
-        scaler = LossScaler(device.type, dtype=choice)
+        scaler = cfg.scaler(device.type) if choice == "fp16" and cfg.dtype == "fp16" else None
+        scaler = scaler or LossScaler(device.type, dtype=choice)
     elif choice == "bf16" and scaler.is_enabled():
         raise ValueError("BF16 needs no loss scaling: pass no scaler, or LossScaler(..., dtype='bf16')")
     elif choice == "fp32" and scaler.is_enabled():
@@ -228,10 +249,46 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if monitor is None:
         monitor = NonFiniteMonitor()
     backend = AmpBackend(options, dtype=choice)
-    return TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
+    comm = install_comm_hook(model, ddp_comm_dtype) if ddp_comm_dtype else None
+    step = TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
                      monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                      lr_scheduler=lr_scheduler, backend=backend,
                      fused=_fused_update(optimizer, max_grad_norm, fused_update, backend))
+    step.comm = comm
+    return step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _compile(model: torch.nn.Module, backend: AmpBackend):
+    """torch.compile(model), except under DDP and FSDP2, which hide the model from Dynamo
+    (compiled whole, it would run as written, in FP32): there the forwards inside the
+    wrapper are compiled and the wrapper's communication stays around them, eager."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        # DDP's forward hides the module from Dynamo (a compiled DDP runs it as written):
+        # the module's own forward is compiled, DDP's bucketed all-reduce stays around it.
+        model.module.forward = torch.compile(model.module.forward, backend=backend)
+        return model
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    if not units:
+        return torch.compile(model, backend=backend)
+    # A unit holding other units graph-breaks at each child's hooks: compile the innermost.
+    leaves = {n: m for n, m in units.items()
+              if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
+    for m in leaves.values():
+        m.forward = torch.compile(m.forward, backend=backend)
+    outer = sorted(set(units) - set(leaves))
+    if outer:
+        log.warning("amp: FSDP2 units %s hold other units; their own ops (outside the inner "
+                    "units) run as written, in FP32. Shard those ops into units of their own "
+                    "to have them planned.", [n or "<root>" for n in outer])
+    log.info("amp training step: FSDP2, %d innermost fully_shard unit(s) compiled", len(leaves))
+    return model
 
 
 def _fused_update(optimizer, max_grad_norm, wanted: bool | None, backend) -> FusedUpdate | None:

@@ -10,12 +10,13 @@ from .decompose_attention import decompose_attention
 from .fold_casts import fold_casts
 from .infra import PassContext, PassRecord, PassResult, run_pipeline
 from .insert_casts import insert_casts
+from .place_flexible import place_flexible
 from .tag import tag_precision
 from .verify import AmpVerifyError, verify_plan
 
-PIPELINE = (decompose_attention, tag_precision, insert_casts, fold_casts, verify_plan)
+PIPELINE = (decompose_attention, tag_precision, place_flexible, insert_casts, fold_casts, verify_plan)
 
 __all__ = [
     "PIPELINE", "AmpVerifyError", "decompose_attention", "PassContext", "PassRecord", "PassResult",
-    "fold_casts", "insert_casts", "run_pipeline", "tag_precision", "verify_plan",
+    "fold_casts", "insert_casts", "place_flexible", "run_pipeline", "tag_precision", "verify_plan",
 ]

@@ -289,7 +289,9 @@ def tag_precision(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if old is not None and old.inserted:
             continue
         new = tagger.visit(node)
-        if old is not None:
+        if old is not None and old.placed and new.precision is old.precision and new.compute is None:
+            new = old  # a re-run keeps the minimum cut's placement (the pipeline is idempotent)
+        elif old is not None:
             new.casts = old.casts
         if old != new:
             modified = True

@@ -412,9 +412,9 @@ def test_dump_dir_writes_graph_after_each_pass(tmp_path):
         torch.randn(2, 16))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["graph0_0_decompose_attention.txt", "graph0_1_tag_precision.txt",
-                     "graph0_2_insert_casts.txt", "graph0_3_fold_casts.txt",
-                     "graph0_4_verify_plan.txt"]
-    assert "_to_copy" in (tmp_path / "graph0_2_insert_casts.txt").read_text()
+                     "graph0_2_place_flexible.txt", "graph0_3_insert_casts.txt",
+                     "graph0_4_fold_casts.txt", "graph0_5_verify_plan.txt"]
+    assert "_to_copy" in (tmp_path / "graph0_3_insert_casts.txt").read_text()
 
 
 @pytest.mark.parametrize("mode", ["train", "eval_no_grad"])

@@ -82,3 +82,114 @@ def test_different_plans_across_ranks_are_caught_at_the_first_step():
     r = run("pins")
     assert r[0][0] == r[1][0] == "mismatch"
     assert "ranks compiled different precision plans" in r[0][1]
+
+
+def _ddp_worker(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        import amp_compiler
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        out = {}
+        for comm in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                            torch.nn.Linear(64, 1)))
+            step = amp_compiler.make_train_step(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
+                dtype="bf16", ddp_comm_dtype=comm, compile_options={"inner": "eager"})
+            g = torch.Generator().manual_seed(rank)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+            losses = [step(x, y).loss.item() for _ in range(5)]
+            out[comm] = (losses, step.comm.bytes, [p.detach().clone() for p in model.parameters()],
+                         all(p.dtype == torch.float32 for p in model.parameters()))
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradients_all_reduced_in_bf16_half_the_bytes_same_loss_curve():
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_worker, args=(_free_port(), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        (l32, b32, _, fp32_master), (l16, b16, _, fp32_master16) = results[rank]["fp32"], results[rank]["bf16"]
+        assert b16 * 2 == b32 > 0
+        assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
+        assert l16[-1] < l16[0] and fp32_master and fp32_master16
+    # ranks hold the same parameters after the BF16 all-reduce
+    for p, q in zip(results[0]["bf16"][2], results[1]["bf16"][2]):
+        assert torch.equal(p, q)
+
+
+def _fsdp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def _fsdp_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 16, generator=g), 3 * torch.randn(16, 1, generator=g)) for _ in range(5)]
+
+
+def _fsdp_worker(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        import amp_compiler
+        from torch.distributed.fsdp import fully_shard
+
+        from conftest import OpRecorder, recording_backend
+
+        model = _fsdp_model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        rec = OpRecorder()
+        step = amp_compiler.make_train_step(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
+            dtype="bf16", max_grad_norm=1.0, compile_options={"inner": recording_backend(rec)})
+        losses, skipped = [], []
+        for i, (x, y) in enumerate(_fsdp_batches()):
+            x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+            if i == 3 and rank == 1:
+                y = y * float("inf")  # one rank's gradients go non-finite
+            r = step(x, y)
+            losses.append(r.loss.item())
+            skipped.append(r.skipped)
+        low = [c for c in rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm)
+               if c[:2] == [torch.bfloat16] * 2]
+        results[rank] = (losses, skipped, [p.full_tensor().detach() for p in model.parameters()], len(low),
+                         {type(p).__name__ for p in model.parameters()},
+                         all(p.dtype == torch.float32 for p in model.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_trains_in_bf16_like_fp32_and_skips_an_inf_on_every_rank():
+    """2 gloo ranks, fully_shard per Linear and at the root: matmuls run in BF16, parameters
+    stay FP32 DTensors, the same steps are skipped everywhere (an Inf on rank 1 at step 3),
+    and the result is single-process FP32 training's within 1%."""
+    results = mp.Manager().dict()
+    mp.spawn(_fsdp_worker, args=(_free_port(), results), nprocs=2, join=True)
+    ref = _fsdp_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for i, (x, y) in enumerate(_fsdp_batches()):
+        loss0 = torch.nn.functional.mse_loss(ref(x[:8]), y[:8])
+        ref_losses.append(loss0.item())
+        if i == 3:
+            continue  # the step both ranks skip
+        opt.zero_grad()
+        loss = (loss0 + torch.nn.functional.mse_loss(ref(x[8:]), y[8:])) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    (l0, s0, p0, low0, kinds, fp32), (_, s1, p1, _, _, _) = results[0], results[1]
+    assert s0 == s1 == [False, False, False, True, False]
+    assert low0 > 0 and kinds == {"DTensor"} and fp32
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)
+    assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(l0, ref_losses)), (l0, ref_losses)
+    for a, b in zip(p0, ref.parameters()):
+        assert (a - b).norm() <= 0.01 * b.norm()

@@ -236,3 +236,46 @@ def test_every_node_has_decision_and_reason():
     gm, _ = rewrite(lambda x, w: F.layer_norm(x + torch.relu(x @ w), (8,)).sum(), x, w)
     for node in gm.graph.nodes:
         assert info(node) is not None and info(node).reason, node.name
+
+
+def cast_elements(gm):
+    return sum(n.meta["val"].numel() for n in casts(gm))
+
+
+def test_min_cut_casts_before_an_expand_not_after():
+    """FP32 softmax -> expand x16 -> matmul: greedy casts the expanded tensor; the cut
+    moves the expand to 16 bit and casts the small one (exact: the matmul rounds anyway)."""
+    def fn(s, w):
+        p = torch.softmax(s, -1)                 # FP32, (4, 8)
+        big = p.unsqueeze(0).expand(16, 4, 8)    # flexible, 16x larger
+        return big @ w
+
+    gm, backend = rewrite(fn, x, w)
+    expand, = nodes_of(gm, aten.expand)
+    assert info(expand).planned == bf16 and "minimum cut" in info(expand).reason
+    # to bf16: the (4, 8) softmax output and w; never the (16, 4, 8) expanded value
+    down = [n.meta["val"].numel() for n in casts(gm) if n.kwargs["dtype"] == bf16]
+    assert sorted(down) == [32, 64]
+    record = next(r for r in backend.records[0].passes if r.name == "place_flexible")
+    assert record.detail["elements_cast"]["min_cut"] < record.detail["elements_cast"]["greedy"]
+
+
+def test_min_cut_never_rounds_what_greedy_kept_fp32():
+    """An FP32 value read by an FP32 op and by a matmul through a view keeps its FP32
+    path: the view may not move to 16 bit when another reader needs FP32."""
+    def fn(s, w):
+        p = torch.softmax(s, -1)
+        v = p.view(4, 8)
+        return (v @ w).sum() + v.exp().sum()
+
+    gm, _ = rewrite(fn, x, w)
+    view, = nodes_of(gm, aten.view)
+    exp, = nodes_of(gm, aten.exp)
+    assert info(view).planned == fp32 and exp.args[0].meta["val"].dtype == fp32
+
+
+def test_min_cut_leaves_greedy_plan_when_it_is_already_best():
+    """Linear -> GELU -> Linear: nothing to gain, nothing moves."""
+    gm, backend = rewrite(lambda x, w1, w2: F.gelu(x @ w1) @ w2, x, w, w)
+    record = next(r for r in backend.records[0].passes if r.name == "place_flexible")
+    assert not record.modified

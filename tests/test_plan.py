@@ -65,7 +65,7 @@ def test_backend_records_each_graph():
     torch.compile(TinyLM(), backend=backend)(ids)
     rec, = backend.records
     assert rec.index == 0 and rec.dtype == "bf16" and rec.plan.nodes
-    assert [p.name for p in rec.passes] == ["decompose_attention", "tag_precision",
+    assert [p.name for p in rec.passes] == ["decompose_attention", "tag_precision", "place_flexible",
                                             "insert_casts", "fold_casts", "verify_plan"]
     assert isinstance(rec.graph, torch.fx.GraphModule)
 

@@ -1,0 +1,1 @@
+"""Where users already train: Hugging Face Trainer (``integrations.transformers``)."""

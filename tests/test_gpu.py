@@ -1,0 +1,80 @@
+"""On a CUDA device: the probe, what executes in 16 bit, and the generated training step.
+
+Marked ``gpu``; skipped without CUDA. ``tools/gpu_check.sh`` runs them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amp_compiler import AmpBackend, LossScaler, make_train_step
+from amp_compiler.device import native_dtypes, resolve_dtype
+
+from conftest import MLP, OpRecorder, recording_backend
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+aten = torch.ops.aten
+CUDA = torch.device("cuda")
+
+
+def test_auto_follows_the_tensor_cores():
+    major, _ = torch.cuda.get_device_capability()
+    choice, reason = resolve_dtype("auto", CUDA)
+    assert choice == ("bf16" if major >= 8 else "fp16" if major == 7 else "fp32")
+    assert f"sm_{major}" in reason and native_dtypes(CUDA)[1] in reason
+
+
+def test_matmuls_execute_in_bf16_on_cuda():
+    torch.manual_seed(0)
+    model = MLP().to(CUDA)
+    x = torch.randn(8, 16, device=CUDA)
+    rec = OpRecorder()
+    out = torch.compile(model, backend=AmpBackend(dtype="bf16", inner=recording_backend(rec)))(x)
+    calls = rec.dtypes_of(aten.mm, aten.addmm)
+    assert calls and all(c[:2] == [torch.bfloat16] * 2 for c in calls)
+    torch.testing.assert_close(out, model(x), rtol=3e-2, atol=3e-2)
+
+
+def _lm():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 256), nn.GELU(),
+                         nn.Linear(256, 128)).to(CUDA)
+
+
+def test_generated_training_step_on_cuda_one_sync_per_step(monkeypatch):
+    model = _lm()
+    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                           dtype="bf16", max_grad_norm=1.0)
+    ids = torch.randint(0, 128, (8, 32), device=CUDA)
+    first = step(ids, ids).loss.item()
+    for _ in range(3):
+        step(ids, ids)
+    calls = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or original(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail(".item() in the hot path"))
+    r = step(ids, ids)
+    assert len(calls) == 1 and r.stepped and step.fused is not None
+    monkeypatch.undo()
+    assert r.loss.item() < first
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
+
+
+def test_fp16_step_skips_on_inf_and_backs_off():
+    model = _lm()
+    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                           dtype="fp16", scaler=LossScaler("cuda", init_scale=2.0**10))
+    ids = torch.randint(0, 128, (8, 32), device=CUDA)
+    step(ids, ids)
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()) * float("inf")  # noqa: E731
+    step.loss_fn = bad
+    r = step(ids, ids)
+    assert r.skipped and step.scaler.get_scale() == 2.0**9
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -1,0 +1,103 @@
+"""Hugging Face Trainer: AmpCallback compiles with the amp backend, logs the plan, scales FP16,
+refuses the flags that would stack a second precision system on ours."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
+
+from conftest import OpRecorder, recording_backend  # noqa: E402
+
+aten = torch.ops.aten
+
+
+class Ids(torch.utils.data.Dataset):
+    def __init__(self, n=16, t=16, vocab=96):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, vocab, (n, t), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
+                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                dataloader_num_workers=0, disable_tqdm=True)
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path):
+    rec = OpRecorder()
+    cb = AmpCallback("bf16", inner=recording_backend(rec))
+    model = gpt2()
+    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=Ids(),
+                                   callbacks=[cb])
+    trainer.train()
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert any("amp_plan" in h and "bf16" in h["amp_plan"] for h in history)
+    assert cb.plan().summary()["nodes"]["LOW"] > 0
+    low = [c for c in rec.dtypes_of(aten.mm, aten.addmm, aten.bmm) if c[:2] == [torch.bfloat16] * 2]
+    assert low, "no matmul executed in BF16"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("flag", ["bf16", "torch_compile"])
+def test_trainer_flags_that_stack_a_second_precision_system_are_refused(tmp_path, flag):
+    with pytest.raises(ValueError, match=f"TrainingArguments\\({flag}=True\\)"):
+        transformers.Trainer(model=gpt2(), args=args(tmp_path, **{flag: True}),
+                             train_dataset=Ids(), callbacks=[AmpCallback()])
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return {"loss": nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)}
+
+
+def test_fp16_scaling_hooks_leave_true_gradients_and_skip_on_inf():
+    """The loss's gradient is scaled into backward and divided out per parameter, so the
+    Trainer's clipping and optimizer see true gradients; Inf/NaN drops the step."""
+    torch.manual_seed(0)
+    model = Regression()
+    ref = copy.deepcopy(model)
+    cb = AmpCallback("fp16", inner="aot_eager")
+    cb.on_train_begin(None, None, None, model=model)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model(x, y)["loss"].backward()
+    ref(x, y)["loss"].backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cb.on_pre_optimizer_step(None, None, None, model=model, optimizer=opt)
+    assert cb.skipped_steps == 0 and cb.scaler.get_scale() == 2.0**16
+    opt.zero_grad()
+    model(x, y * float("inf"))["loss"].backward()
+    cb.on_pre_optimizer_step(None, None, None, model=model, optimizer=opt)
+    assert cb.skipped_steps == 1 and cb.scaler.get_scale() == 2.0**15
+    assert all(p.grad is None for p in model.parameters())
+    logs = {}
+    cb.on_log(None, None, None, logs=logs)
+    assert logs["amp_loss_scale"] == 2.0**15 and logs["amp_skipped_steps"] == 1
