@@ -6,6 +6,7 @@
 """
 
 from .backend import AmpBackend, CompileRecord, amp
+from .calibrate import Calibration, calibrate
 from .config import AmpConfig, AmpConfigError
 from .distributed import PrecisionMismatchError
 from .explain import explain
@@ -19,7 +20,7 @@ from .scaler import LossScaler
 from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
 
 __all__ = [
-    "AlertEvent", "AmpBackend", "AmpConfig", "AmpConfigError", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
+    "AlertEvent", "AmpBackend", "AmpConfig", "AmpConfigError", "Calibration", "calibrate", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
     "AmpVerifyError", "CompileRecord", "GraphPlan", "LossScaler", "MasterWeightsError",
     "NodePlan", "NonFiniteMonitor", "Policy", "PrecisionMismatchError", "Precision", "PrecisionPlan", "StepResult",
     "TrainStep", "amp", "explain", "make_train_step",

@@ -18,6 +18,7 @@ from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .options import AmpOptions, AmpOptionsError
 from .plan import GraphPlan, PrecisionPlan
+from .policy_file import check_fingerprint, fingerprint
 from .policy import LOW_DTYPES
 
 log = logging.getLogger("amp_compiler")
@@ -94,7 +95,10 @@ class AmpBackend:
                           fake_mode=fake_mode, graph_index=self.compiled)
         passes = run_pipeline(aten_gm, ctx, self.pipeline)
         aten_gm.recompile()
+        reason = _with_policy(reason, opts)
         plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
+        if opts.policy_source is not None:
+            check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         self._record(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
@@ -134,6 +138,14 @@ class AmpBackend:
     def reset(self) -> None:
         self.records.clear()
         self.compiled = 0
+
+
+def _with_policy(reason: str, opts: AmpOptions) -> str:
+    if opts.policy_source is None:
+        return reason
+    won = (f"; explicit {', '.join(opts.policy_overridden)} given beside it win"
+           if opts.policy_overridden else "")
+    return f"{reason}; policy file {opts.policy_file}{won}"
 
 
 def _saved_tensors_hooks_off():

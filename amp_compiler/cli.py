@@ -3,7 +3,8 @@
     amp-compiler inspect pkg.module:factory [--format table|json|dot|html] [-o FILE]
     amp-compiler inspect path/to/file.py:factory --input 2x128:int64
     amp-compiler inspect model.onnx --ep cuda
-    amp-compiler doctor pkg.module:factory
+    amp-compiler doctor pkg.module:factory [--policy-file amp-policy.json]
+    amp-compiler calibrate pkg.module:factory -o amp-policy.json [--budget 1e-2]
     amp-compiler export pkg.module:factory -o model.onnx [--dtype bf16] [--target cuda]
     amp-compiler demo
 
@@ -53,14 +54,45 @@ def write_output(text: str, path: str | None) -> None:
 
 
 def _options(args) -> dict:
-    return {"fp32_modules": args.fp32_module} if getattr(args, "fp32_module", None) else {}
+    out = {"fp32_modules": args.fp32_module} if getattr(args, "fp32_module", None) else {}
+    if getattr(args, "policy_file", None):
+        out["policy_file"] = args.policy_file
+    return out
+
+
+def cmd_calibrate(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .calibrate import calibrate
+    from .target import load_batches
+
+    if args.batches < 1:
+        raise CliError(f"--batches {args.batches}: need at least 1")
+    if not args.budget > 0:
+        raise CliError(f"--budget {args.budget}: must be a relative error > 0")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise CliError(f"cannot write {args.output!r}: its folder does not exist")
+    model, batches = load_batches(args.target, args.input, args.batches)
+    cal = calibrate(model, batches, dtype=args.dtype, budget=args.budget, options=_options(args))
+    console = Console()
+    table = Table("option", "pattern", "error before", "error after", "reason",
+                  title=f"{args.target}: {cal.dtype}, budget {cal.budget:.1e}")
+    for p in cal.pins:
+        table.add_row(p.option, p.pattern, f"{p.error_before:.2e}", f"{p.error_after:.2e}", p.reason)
+    console.print(table)
+    console.print(cal.summary())
+    write_output(json.dumps(cal.to_dict(), indent=1), args.output)
+    if args.output:
+        console.print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_inspect(args) -> int:
     if args.target.endswith(".onnx"):
         return _inspect_onnx(args)
     from .explain import trace
-    from .render import to_dot, to_html
+    from .render import floating, module_tree, to_dot, to_html
     from .target import load_target
 
     model, margs, mkwargs = load_target(args.target, args.input)
@@ -75,14 +107,31 @@ def cmd_inspect(args) -> int:
     else:
         s = plan.summary()
         mib = "n/a (dynamic shapes)" if s["cast_bytes"] is None else f"{s['cast_bytes'] / 2**20:.3f} MiB"
+        if args.nodes or args.all:
+            listing = plan.format_table(None if args.all else floating)
+        else:
+            listing = _tree_text(module_tree(plan, f"amp plan: {args.target}"), args.output)
         text = "\n".join([
-            plan.format_table(), "",
+            listing, "",
             "nodes per precision: " + ", ".join(f"{k} {v}" for k, v in s["nodes"].items()),
             f"casts inserted: {s['casts']}; bytes cast per step: {mib}",
             f"unknown ops: {s['unknown_ops'] or 'none'}",
         ])
     write_output(text, args.output)
     return 0
+
+
+def _tree_text(tree, path: str | None) -> str:
+    """The tree as text: coloured for a terminal, plain for a file or a pipe."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    colour = path is None and sys.stdout.isatty()
+    Console(file=buf, force_terminal=colour, color_system="auto" if colour else None,
+            width=None if colour else 120).print(tree)
+    return buf.getvalue().rstrip()
 
 
 def _inspect_onnx(args) -> int:
@@ -174,12 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--fp32-module", action="append", metavar="REGEX",
                        help="pin modules matching REGEX to FP32 (repeatable)")
         p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+        p.add_argument("--policy-file", metavar="FILE", help="apply a calibrated policy file")
 
     p = sub.add_parser("inspect", help="show the precision plan: per node precision, reason, casts",
                        description="Show the precision plan of a model (or an ONNX file's dtypes).")
     target_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
+    p.add_argument("--nodes", action="store_true",
+                   help="list every node touching a floating tensor instead of the module tree")
+    p.add_argument("--all", action="store_true", help="list every node, integer plumbing too")
     p.add_argument("--ep", choices=["cpu", "cuda"], default="cuda",
                    help="ONNX Runtime provider whose kernels to check (ONNX targets)")
     p.set_defaults(func=cmd_inspect)
@@ -193,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("--top", type=int, default=5, help="how many worst nodes to list")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("calibrate", help="measure the model and write the FP32 pins it needs",
+                       description="Run FP32 and amp on N batches, pin (modules first) until every "
+                       "output is within the budget, and write the policy file.")
+    target_args(p)
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--budget", type=float, default=1e-2, help="largest relative output error")
+    p.add_argument("--batches", type=int, default=4, help="batches drawn from the factory")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("export", help="export a BF16 inference graph to ONNX for ONNX Runtime",
                        description="Export the model through the amp plan to ONNX; checks structure, "

@@ -94,7 +94,13 @@ def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
     return rows
 
 
-def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
+def side_by_side(model, args, kwargs, dtype: str, options: dict | None, *, on_graph=None,
+                 on_run=None) -> tuple[DoctorRun, AmpBackend]:
+    """Run every graph FP32 and through the plan on the same inputs, node by node.
+
+    ``on_graph(index, amp_gm)`` sees each rewritten graph once; ``on_run(index, amp_gm,
+    fp32_values, amp_values)`` each execution (values by node name).
+    """
     result = DoctorRun(dtype)
     amp = AmpBackend(options, dtype=dtype, inner="eager")
 
@@ -102,6 +108,8 @@ def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
         ref_gm = to_aten(gm, example_inputs)[0]
         amp_gm = amp.rewrite(gm, example_inputs)
         index = amp.compiled - 1
+        if on_graph is not None:
+            on_graph(index, amp_gm)
 
         def run(*real):
             ref = _Recorder(ref_gm, lambda n: True)
@@ -109,12 +117,18 @@ def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
             rec = _Recorder(amp_gm, lambda n: not info(n).inserted)
             out = rec.run(*real)
             result.nodes.extend(_compare(amp_gm, ref.values, rec.values, index))
+            if on_run is not None:
+                on_run(index, amp_gm, ref.values, rec.values)
             return out
 
         return run
 
     trace(model, *args, backend=backend, **kwargs)
-    return result
+    return result, amp
+
+
+def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
+    return side_by_side(model, args, kwargs, dtype, options)[0]
 
 
 def _pin_for(n: NodeError) -> str:

@@ -54,6 +54,9 @@ class AlertEvent:
     dtype: str
     persistent: bool
     message: str
+    # filled off the hot path by whoever knows the model (the training step):
+    first_nonfinite: str | None = None  # the first node whose output was Inf/NaN on the offending batch
+    suggested_pin: dict | None = None  # e.g. {"fp32_modules": ["^h\\.3\\.attn$"]}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,6 +79,8 @@ class NonFiniteMonitor:
         elif callable(on_alert):
             on_alert = [on_alert]
         self.on_alert = list(on_alert)
+        # explain(event) -> event: set by the training step to name the node and the pin
+        self.explain: Callable[[AlertEvent], AlertEvent] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -143,7 +148,15 @@ class NonFiniteMonitor:
         message = f"step {self.steps}: {what}; {action}" + (f". {advice}" if advice else "")
         event = AlertEvent(self.steps, ratio, sum(self.history), self.window, before, after, dtype,
                            persistent, message)
+        # The history (state_dict) keeps the monitor's own decision; the explanation (which
+        # node, which pin) depends on the batch at hand and goes to the log and callbacks.
         self.alerts.append(event)
+        if self.explain is not None:
+            try:
+                event = self.explain(event)
+            except Exception as e:  # an explanation must never stop training
+                log.warning("amp: could not locate the Inf/NaN: %s: %s", type(e).__name__, e)
+        message = event.message
         self.last_alerted = True
         log.warning("amp: %s", message)
         for callback in self.on_alert:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class AmpOptions:
     low_precision_outputs: return outputs in the low dtype instead of the
         dtype the FP32 model returns.
     dump_dir: write the graph after every pass to this directory.
+    policy_file: a calibrated policy (``amp_compiler.policy_file``): its pins and
+        overrides join these options; options given explicitly beside it win.
     """
 
     dtype: str = "bf16"
@@ -57,7 +60,11 @@ class AmpOptions:
     strict: bool = False
     low_precision_outputs: bool = False
     dump_dir: str | None = None
+    policy_file: str | None = None
     policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # the loaded file and the option names given explicitly beside it
+    policy_source: object = field(default=None, compare=False, repr=False)
+    policy_overridden: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype) if _hashable(self.dtype) else None
@@ -113,7 +120,8 @@ class AmpOptions:
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "policy_cache"]
+        return [f.name for f in dataclasses.fields(cls)
+                if f.name not in ("policy_cache", "policy_source", "policy_overridden")]
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None = None, **kwargs: Any) -> AmpOptions:
@@ -124,10 +132,44 @@ class AmpOptions:
             raise AmpOptionsError(
                 f"unknown option(s) {unknown}; valid options are {cls.names()}"
             )
-        return cls(**merged)
+        extra = {}
+        if merged.get("policy_file") is not None:
+            extra = _with_policy_file(merged)
+        return cls(**merged, **extra)
 
     def replace(self, **changes: Any) -> AmpOptions:
         return self.from_mapping({n: getattr(self, n) for n in self.names()}, **changes)
+
+
+def _with_policy_file(merged: dict) -> dict:
+    """Fold a policy file into ``merged`` (in place): explicit options win, per name."""
+    from .policy_file import PolicyFile, PolicyFileError
+
+    path = merged["policy_file"]
+    if not isinstance(path, (str, os.PathLike)):
+        raise AmpOptionsError(f"policy_file must be a path, got {path!r}")
+    try:
+        policy = PolicyFile.load(os.fspath(path))
+    except PolicyFileError as e:
+        raise AmpOptionsError(str(e)) from None
+    overridden = []
+    for name, value in policy.options().items():
+        if name not in cls_names():
+            raise AmpOptionsError(f"policy file {path!r}: unknown option {name!r} in overrides")
+        if name not in merged:
+            merged[name] = value
+        elif _as_tuple(merged[name]) != _as_tuple(value):
+            overridden.append(name)
+    merged["policy_file"] = os.fspath(path)
+    return {"policy_source": policy, "policy_overridden": tuple(overridden)}
+
+
+def cls_names() -> list[str]:
+    return AmpOptions.names()
+
+
+def _as_tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _iterable(value: object) -> bool:

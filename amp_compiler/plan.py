@@ -190,10 +190,12 @@ class PrecisionPlan:
         return (f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; "
                 f"{s['casts']} casts inserted{mb}{unknown}")
 
-    def format_table(self) -> str:
+    def format_table(self, keep=None) -> str:
+        """Every node (or those ``keep(node)`` accepts) in one row each."""
         rows = [("graph", "node", "op", "module", "precision", "computes", "out", "casts", "reason")]
         rows += [(str(n.graph), n.name, n.op, n.module or "-", n.precision, n.compute_dtype,
-                  n.dtype, ",".join(n.casts) or "-", n.reason) for n in self.nodes]
+                  n.dtype, ",".join(n.casts) or "-", n.reason) for n in self.nodes
+                 if keep is None or keep(n)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
         return "\n".join(lines + ["", self.format_summary()])

@@ -98,34 +98,209 @@ def to_svg(record: CompileRecord, box_w: int = 170, box_h: int = 34, gap_x: int 
     return "".join(out)
 
 
+_TREE_CSS = """
+details{margin-left:18px} summary{cursor:pointer;padding:2px 0;white-space:nowrap}
+summary .bar{display:inline-flex;width:160px;height:10px;margin:0 8px;vertical-align:middle;border:1px solid #bbb}
+summary .bar i{display:block;height:100%} .n{color:#555;font-size:12px} .r{color:#a33;font-size:12px}
+.nodes{margin:4px 0 8px 18px} #q{font-size:14px;padding:4px;width:320px;margin-bottom:10px}
+.hidden{display:none}
+"""
+
+_TREE_JS = """
+const NODES = JSON.parse(document.getElementById('nodes').textContent);
+function fill(d) {
+  const box = d.querySelector(':scope > .nodes');
+  if (!box || box.dataset.done) return;
+  box.dataset.done = 1;
+  const rows = NODES.filter(n => n[3] === box.dataset.m);
+  let h = '<table><tr><th>node</th><th>op</th><th>precision</th><th>dtype</th><th>casts</th><th>reason</th></tr>';
+  for (const [g, name, op, mod, prec, dt, casts, reason] of rows)
+    h += `<tr><td><code>${name}</code></td><td><code>${op}</code></td><td><span class='b ${prec}'>${prec}</span></td>` +
+         `<td>${dt}</td><td>${casts}</td><td>${reason}</td></tr>`;
+  box.innerHTML = h + '</table>';
+}
+document.querySelectorAll('details').forEach(d => d.addEventListener('toggle', () => d.open && fill(d)));
+function openPath(path) {  // #m=h.3.attn opens that module (a link to it)
+  document.querySelectorAll('details').forEach(d => {
+    const p = d.dataset.path;
+    if (p !== undefined && (p === '' || path === p || path.startsWith(p + '.'))) { d.open = true; fill(d); }
+  });
+}
+if (location.hash.startsWith('#m=')) openPath(decodeURIComponent(location.hash.slice(3)));
+document.getElementById('q').addEventListener('input', e => {
+  const q = e.target.value.toLowerCase();
+  document.querySelectorAll('details').forEach(d => {
+    const hit = !q || d.dataset.path.toLowerCase().includes(q) ||
+      [...d.querySelectorAll('details')].some(c => c.dataset.path.toLowerCase().includes(q));
+    d.classList.toggle('hidden', !hit);
+    if (q && hit) d.open = true;
+  });
+});
+"""
+
+_SVG_LIMIT = 400  # nodes: larger graphs get the tree and node tables, not a drawing
+
+
 def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -> str:
-    s = plan.summary()
+    """A self-contained page: a collapsible module tree (search, precision bars per module,
+    each module's node table built when it is opened), then small graphs drawn."""
     esc = html.escape
+    own: dict[str, list] = {}
+    for n in plan.nodes:
+        if floating(n):
+            own.setdefault(n.module, []).append(n)
+    paths = set(own)
+    for p in list(paths):
+        parts = p.split(".") if p else []
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    paths.discard("")
+    children: dict[str, list[str]] = {}
+    for p in paths:
+        children.setdefault(p.rsplit(".", 1)[0] if "." in p else "", []).append(p)
+    casts_by_module: dict[str, int] = {}
+    by_name = {(n.graph, n.name): n for n in plan.nodes}
+    for c in plan.casts:
+        consumer = by_name.get((c.graph, c.consumer.split(", ")[0]))
+        key = consumer.module if consumer else ""
+        casts_by_module[key] = casts_by_module.get(key, 0) + 1
+
+    def key(p):
+        return [int(x) if x.isdigit() else x for x in p.split(".")]
+
+    def counts(path):
+        sub = [q for q in own if q == path or q.startswith(path + ".")] if path else list(own)
+        c = {k: 0 for k in ("LOW", "FP32", "PROMOTE", "PASSTHROUGH")}
+        for q in sub:
+            for n in own[q]:
+                c[n.precision] = c.get(n.precision, 0) + 1
+        casts = sum(v for q, v in casts_by_module.items() if not path or q == path or q.startswith(path + "."))
+        return c, casts
+
+    def node(path, depth):
+        c, casts = counts(path)
+        total = max(sum(c.values()), 1)
+        bar = "".join(f"<i style='width:{100 * v / total:.1f}%;background:{COLORS[k]}'></i>"
+                      for k, v in c.items() if v)
+        text = " ".join(f"{k} {v}" for k, v in c.items() if v)
+        fp32 = sorted({n.reason.split(" (")[0] for n in own.get(path, []) if n.precision == "FP32"})
+        reasons = f" <span class='r'>FP32: {esc('; '.join(fp32)[:160])}</span>" if fp32 else ""
+        name = path.rsplit(".", 1)[-1] if path else "(top level)"
+        out = [f"<details data-path='{esc(path)}'{' open' if depth == 0 else ''}><summary><b>{esc(name)}</b>"
+               f"<span class='bar'>{bar}</span><span class='n'>{text}; casts {casts}</span>{reasons}</summary>"]
+        out += [node(ch, depth + 1) for ch in sorted(children.get(path, []), key=key)]
+        if own.get(path):
+            out.append(f"<div class='nodes' data-m='{esc(path)}'></div>")
+        out.append("</details>")
+        return "".join(out)
+
+    rows = [[n.graph, n.name, n.op, n.module, n.precision, n.dtype, ", ".join(n.casts) or "-", n.reason]
+            for n in plan.nodes if floating(n)]
+    data = json.dumps(rows).replace("</", "<\\/")
+    legend = "".join(f"<span><span class='b' style='background:{c}'>{k}</span></span>" for k, c in COLORS.items())
+    badge = "".join(f".b.{k}{{background:{c}}}" for k, c in COLORS.items())
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",
-             f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
+             f"<title>{esc(title)}</title><style>{_CSS}{_TREE_CSS}{badge}</style></head><body>",
              f"<h1>{esc(title)}</h1>", f"<p>{esc(plan.format_summary())}</p>",
-             "<p class='legend'>" + "".join(
-                 f"<span><span class='b' style='background:{c}'>{k}</span></span>"
-                 for k, c in COLORS.items()) + "</p>"]
-    for rec in records:
-        parts.append(f"<h2>graph {rec.index} &mdash; {esc(rec.dtype)} ({esc(rec.dtype_reason)})</h2>")
-        parts.append(f"<div class='graph'>{to_svg(rec)}</div>")
-        parts.append("<table><tr><th>node</th><th>op</th><th>module</th><th>precision</th>"
-                     "<th>dtype</th><th>inputs</th><th>reason</th></tr>")
-        casts = {f"g{rec.index}_{n.name}" for n in rec.graph.graph.nodes
-                 if info(n) is not None and info(n).inserted}
-        for nid, _label, kind, i, inputs, node in _rows(rec):
-            ins = ", ".join(
-                f"<span class='cast'>{esc(x.split('_', 1)[1])}</span>" if x in casts
-                else esc(x.split("_", 1)[1]) for x in inputs)
-            parts.append(
-                f"<tr class='{kind}' id='{esc(nid)}'><td><code>{esc(node.name)}</code></td>"
-                f"<td><code>{esc(i.op if i else node.op)}</code></td><td>{esc(i.module if i else '')}</td>"
-                f"<td><span class='b' style='background:{COLORS[kind]}'>{kind}</span></td>"
-                f"<td>{esc(dtype_name(i.planned) if i else '')}</td><td class='in'>{ins}</td>"
-                f"<td>{esc(i.reason if i else '')}</td></tr>")
-        parts.append("</table>")
-    parts.append(f"<h2>summary</h2><pre>{esc(json.dumps(s, indent=2))}</pre>")
-    parts.append(f"<details><summary>Graphviz source</summary><pre>{esc(to_dot(records))}</pre></details>")
-    parts.append("</body></html>")
+             f"<p class='legend'>{legend}</p>",
+             "<input id='q' placeholder='filter modules (e.g. attn, h.3)'>",
+             node("", 0),
+             f"<script type='application/json' id='nodes'>{data}</script>"]
+    small = [r for r in records if len(r.graph.graph.nodes) <= _SVG_LIMIT]
+    for rec in small:
+        parts.append(f"<details><summary>graph {rec.index} drawn ({esc(rec.dtype)}: "
+                     f"{esc(rec.dtype_reason)})</summary><div class='graph'>{to_svg(rec)}</div></details>")
+    if len(small) < len(records):
+        parts.append(f"<p class='n'>{len(records) - len(small)} graph(s) over {_SVG_LIMIT} nodes are "
+                     "not drawn: open their modules above, or use --format dot.</p>")
+    parts.append(f"<script>{_TREE_JS}</script></body></html>")
     return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- module tree (terminal)
+
+_COLOURS = {"LOW": "green", "FP32": "red", "PROMOTE": "yellow", "PASSTHROUGH": "bright_black"}
+_FLOATS = ("fp32", "bf16", "fp16")
+
+
+def floating(node) -> bool:
+    """Whether a planned node touches a floating tensor (int64 index plumbing does not)."""
+    return node.dtype in _FLOATS or node.compute_dtype in _FLOATS
+
+
+def module_tree(plan, title: str = "amp plan"):
+    """A rich Tree: per module (nested by path) its nodes per precision, casts and bytes
+    cast (subtree totals), and the reasons its own FP32 nodes give (pins included)."""
+    from collections import Counter, defaultdict
+
+    from rich.text import Text
+    from rich.tree import Tree
+
+    casts_at: dict[tuple, list] = defaultdict(list)
+    by_name = {(n.graph, n.name): n for n in plan.nodes}
+    for c in plan.casts:
+        consumer = by_name.get((c.graph, c.consumer.split(", ")[0]))
+        casts_at[consumer.module if consumer else ""].append(c)
+    own: dict[str, list] = defaultdict(list)
+    for n in plan.nodes:
+        if floating(n):
+            own[n.module].append(n)
+    paths = set(own) | set(casts_at)
+    for p in list(paths):  # every ancestor gets a row
+        parts = p.split(".") if p else []
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    paths.discard("")
+
+    def subtree(prefix: str):
+        return [p for p in paths if p == prefix or p.startswith(prefix + ".")] if prefix else list(paths) + [""]
+
+    def label(path: str) -> Text:
+        members = subtree(path)
+        counts = Counter(n.precision for p in members for n in own.get(p, []))
+        casts = [c for p in members for c in casts_at.get(p, [])]
+        nbytes = sum(c.bytes or 0 for c in casts)
+        text = Text(path.rsplit(".", 1)[-1] if path else title, style="bold")
+        text.append("  ")
+        for prec in ("LOW", "FP32", "PROMOTE", "PASSTHROUGH"):
+            if counts[prec]:
+                text.append(f"{prec} {counts[prec]} ", style=_COLOURS[prec])
+        if casts:
+            text.append(f" casts {len(casts)} ({nbytes / 2**20:.2f} MiB)", style="cyan")
+        reasons = Counter(n.reason.split(" (")[0] for n in own.get(path, []) if n.precision == "FP32")
+        for reason, k in reasons.most_common(2):
+            text.append(f"\n  FP32 x{k}: {reason[:100]}", style="red")
+        return text
+
+    children: dict[str, list[str]] = defaultdict(list)
+    for p in paths:
+        children[p.rsplit(".", 1)[0] if "." in p else ""].append(p)
+
+    def key(p):
+        return [int(x) if x.isdigit() else x for x in p.split(".")]
+
+    def signature(path):
+        """What a subtree shows, paths made relative: equal for repeated blocks."""
+        rows = []
+        for q in sorted(subtree(path), key=key):
+            rel = q[len(path):]
+            counts = tuple(sorted(Counter(n.precision for n in own.get(q, [])).items()))
+            rows.append((rel, counts, len(casts_at.get(q, ())),
+                         tuple(sorted({n.reason.split(" (")[0] for n in own.get(q, []) if n.precision == "FP32"}))))
+        return tuple(rows)
+
+    def add(tree, path):
+        kids = sorted(children.get(path, []), key=key)
+        i = 0
+        while i < len(kids):  # a run of identical siblings (h.0 ... h.47) is shown once
+            j = i + 1
+            sig = signature(kids[i])
+            while j < len(kids) and signature(kids[j]) == sig:
+                j += 1
+            branch = tree.add(label(kids[i]) if j - i == 1 else
+                              Text(f"{kids[i].rsplit('.', 1)[-1]} .. {kids[j - 1].rsplit('.', 1)[-1]}: "
+                                   f"{j - i} alike, each:\n", style="bold magenta") + label(kids[i]))
+            add(branch, kids[i])
+            i = j
+
+    root = Tree(label(""))
+    add(root, "")
+    return root

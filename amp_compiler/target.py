@@ -95,3 +95,21 @@ def _split(example: Any) -> tuple[tuple, dict]:
     if isinstance(example, (tuple, list)):
         return tuple(example), {}
     return (example,), {}
+
+
+def load_batches(spec: str, inputs: list[str] | None, n: int) -> tuple[torch.nn.Module, list]:
+    """(model, n batches): the model from the first factory call; each batch from another
+    call under its own seed (or freshly drawn from the ``--input`` specs)."""
+    model, args, kwargs = load_target(spec, inputs)
+    batches = [kwargs or args]
+    factory = load_factory(spec)
+    for i in range(1, n):
+        torch.manual_seed(i)
+        if inputs:
+            batches.append(tuple(parse_input(s) for s in inputs))
+            continue
+        made = factory()
+        example = made[1] if isinstance(made, tuple) and len(made) == 2 else None
+        a, k = _split(example)
+        batches.append(k or a)
+    return model, batches

@@ -72,11 +72,15 @@ class TrainStep:
         self.skipped_steps = 0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        self._batch = self._offending = None  # the offending batch: the last one skipped
+        if monitor is not None and monitor.explain is None:
+            monitor.explain = self._explain_alert
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = None
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
+        self._batch = inputs
         if isinstance(inputs, dict):
             output = self.compiled(**inputs)
         elif isinstance(inputs, tuple):
@@ -148,6 +152,8 @@ class TrainStep:
 
     def _after_step(self, loss, skipped: bool, scale: float, scale_after: float | None,
                     grad_norm) -> StepResult:
+        if skipped:
+            self._offending = self._batch
         if not skipped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,6 +172,33 @@ class TrainStep:
         else:
             self._last_scale = scale_after
         return StepResult(loss, skipped, scale, grad_norm, stepped=not skipped)
+
+    def _explain_alert(self, event):
+        """After an alert only: replay the offending batch FP32 vs amp, node by node; name
+        the first node whose output is Inf/NaN and the pin that would keep it FP32."""
+        import dataclasses
+
+        from .calibrate import _pin_of
+        from .doctor import _run
+
+        if self._offending is None:
+            return event
+        batch = self._offending
+        args, kwargs = ((), batch) if isinstance(batch, dict) else (
+            (batch if isinstance(batch, tuple) else (batch,)), {})
+        options = {n: getattr(self.backend.options, n) for n in ("fp32_modules", "fp32_ops",
+                                                                 "low_ops", "policy_file")}
+        run = _run(self.model, args, kwargs, self.dtype, {k: v for k, v in options.items() if v})
+        bad = run.first_nonfinite
+        if bad is None:
+            note = ("; the forward pass is finite on the offending batch: the overflow is in "
+                    "backward (loss scale) or in the data")
+            return dataclasses.replace(event, message=event.message + note)
+        option, pattern = _pin_of(bad)
+        where = f"node '{bad.name}' ({bad.op}){' in module ' + repr(bad.module) if bad.module else ''}"
+        note = f"; first Inf/NaN at {where}: suggested pin {option}=[{pattern!r}]"
+        return dataclasses.replace(event, message=event.message + note, first_nonfinite=where,
+                                   suggested_pin={option: [pattern]})
 
     def _check_finite_unscaled(self) -> None:
         """BF16: no scaler, but a step with Inf/NaN gradients is still skipped, on every rank

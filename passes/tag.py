@@ -74,6 +74,8 @@ class _Tagger:
         self.region = 0
         self.autocast_off: list[bool] = []
         self.unknown: Counter = Counter()
+        source = ctx.options.policy_source
+        self.notes = source.notes if source is not None else {}  # what a policy file says
 
     def planned(self, node: object) -> object:
         i = info(node) if isinstance(node, torch.fx.Node) else None
@@ -89,7 +91,9 @@ class _Tagger:
         for text, pattern in self.patterns:
             for path in modules or [""]:  # "" is the top-level module's own ops
                 if pattern.search(path):
-                    return f"pinned FP32: module '{path or '<top level>'}' matches fp32_modules {text!r}"
+                    why = f"pinned FP32: module '{path or '<top level>'}' matches fp32_modules {text!r}"
+                    note = self.notes.get(text)
+                    return f"{why} ({note})" if note else why
         return None
 
     def visit(self, node: torch.fx.Node) -> NodeInfo:
@@ -168,6 +172,8 @@ class _Tagger:
             table, reason = Precision.FP32, f"{_UNKNOWN}: FP32 by default (classify it with the *_ops options)"
         else:
             reason = why(packet, table, self.ctx.policy)
+            if str(packet) in self.notes and table is Precision.FP32:
+                reason = f"{reason} ({self.notes[str(packet)]})"
 
         pin = self.pin(modules)
         if pin and table is not Precision.PASSTHROUGH:

@@ -426,3 +426,32 @@ def test_loss_scaler_skip_signal_with_fused_optimizer():
         assert s.last_step_skipped is bad
         assert torch.equal(p, before) is bad
     assert s.skipped_steps == 1 and s.get_scale() == 32.0
+
+
+def test_alert_names_the_first_inf_node_and_suggests_a_pin():
+    """FP16: a layer whose outputs leave FP16's range makes steps skip; the alert (computed
+    after the fact, off the hot path) names that node and the pin that keeps it FP32."""
+    class Blowup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.big, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(self.big(torch.relu(self.inp(x))) * 1e-3)
+
+    torch.manual_seed(0)
+    model = Blowup()
+    events = []
+    monitor = NonFiniteMonitor(check_every=1, threshold=0.0, window=1, on_alert=events.append)
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), F.mse_loss,
+                           dtype="fp16", monitor=monitor, compile_options=INNER,
+                           scaler=LossScaler("cpu", init_scale=1.0))
+    x, y = data()
+    for _ in range(3):
+        step(x[:, :8], y)
+    assert not events
+    r = step(x[:, :8] * 1e5, y)  # the big layer's output leaves FP16's range
+    assert r.skipped and events
+    event = events[-1]
+    assert event.suggested_pin is not None and "first Inf/NaN at node" in event.message
+    assert list(event.suggested_pin.values())[0][0] in (r"^big$", r"^inp$")
