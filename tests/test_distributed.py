@@ -98,18 +98,23 @@ def _ddp_worker(rank, port, results):
                                             torch.nn.Linear(64, 1)))
             step = amp_compiler.make_train_step(
                 model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
-                dtype="bf16", ddp_comm_dtype=comm, compile_options={"inner": "eager"})
+                config={"bf16": {"enabled": True}, "gradient_clipping": 1.0},  # DeepSpeed-style
+                ddp_comm_dtype=comm, compile_options={"inner": "eager"})
+            assert step.dtype == "bf16" and step.max_grad_norm == 1.0
             g = torch.Generator().manual_seed(rank)
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
             losses = [step(x, y).loss.item() for _ in range(5)]
+            low = [n for n in step.backend.plan().nodes if n.precision == "LOW"]
             out[comm] = (losses, step.comm.bytes, [p.detach().clone() for p in model.parameters()],
-                         all(p.dtype == torch.float32 for p in model.parameters()))
+                         all(p.dtype == torch.float32 for p in model.parameters()) and bool(low))
         results[rank] = out
     finally:
         dist.destroy_process_group()
 
 
 def test_ddp_gradients_all_reduced_in_bf16_half_the_bytes_same_loss_curve():
+    """2-rank DDP configured by a DeepSpeed-style dict: the plan is applied inside DDP (a
+    compiled DDP would run the module as written), the BF16 all-reduce moves half the bytes."""
     results = mp.Manager().dict()
     mp.spawn(_ddp_worker, args=(_free_port(), results), nprocs=2, join=True)
     for rank in (0, 1):
@@ -193,3 +198,53 @@ def test_fsdp2_trains_in_bf16_like_fp32_and_skips_an_inf_on_every_rank():
     assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(l0, ref_losses)), (l0, ref_losses)
     for a, b in zip(p0, ref.parameters()):
         assert (a - b).norm() <= 0.01 * b.norm()
+
+
+def _fsdp_mp_worker(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        import amp_compiler
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+        gathered = [0]
+        original = collectives.DefaultAllGather.__call__
+
+        def counting(self, *args, **kwargs):
+            sent = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
+            gathered[0] += sent.numel() * sent.element_size()
+            return original(self, *args, **kwargs)
+
+        collectives.DefaultAllGather.__call__ = counting
+        out = {}
+        for name, mp in (("fp32", None), ("bf16", MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False))):
+            gathered[0] = 0
+            model = _fsdp_model()
+            for module in (model[0], model[2], model):
+                fully_shard(module, **({"mp_policy": mp} if mp else {}))
+            step = amp_compiler.make_train_step(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
+                dtype="bf16", compile_options={"inner": "aot_eager"})
+            x, y = _fsdp_batches()[0]
+            losses = [step(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]).loss.item()
+                      for _ in range(3)]
+            linears = [n for n in step.backend.plan().nodes if n.op.startswith("aten.linear")]
+            out[name] = (gathered[0], losses, [(n.precision, n.casts) for n in linears])
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_mixed_precision_policy_owns_the_weight_cast_and_halves_the_all_gather():
+    """MixedPrecisionPolicy(param_dtype=bf16, cast_forward_inputs=False): parameters arrive
+    in BF16, the plan casts only the activations (no second weight cast) and still keeps its
+    FP32 islands; the all-gathers move half the bytes; the losses match amp's own casts."""
+    results = mp.Manager().dict()
+    mp.spawn(_fsdp_mp_worker, args=(_free_port(), results), nprocs=2, join=True)
+    (b32, l32, lin32), (b16, l16, lin16) = results[0]["fp32"], results[0]["bf16"]
+    assert b16 * 2 == b32 > 0
+    assert all(p == "LOW" and len(c) == 3 for p, c in lin32)  # activation, weight, bias cast by amp
+    assert all(p == "LOW" and len(c) == 1 and "args_0" in c[0] for p, c in lin16)  # activation only
+    assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
