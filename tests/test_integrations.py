@@ -101,3 +101,43 @@ def test_fp16_scaling_hooks_leave_true_gradients_and_skip_on_inf():
     logs = {}
     cb.on_log(None, None, None, logs=logs)
     assert logs["amp_loss_scale"] == 2.0**15 and logs["amp_skipped_steps"] == 1
+
+
+def _trainer_worker(rank, port, out_dir, results):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    try:
+        cb = AmpCallback(config={"bf16": {"enabled": True}})
+        model = gpt2()
+        trainer = transformers.Trainer(model=model, args=args(out_dir, max_steps=4, learning_rate=5e-3),
+                                       train_dataset=Ids(), callbacks=[cb])
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results[rank] = (losses, cb.plan().summary()["nodes"]["LOW"],
+                         [p.detach().clone() for p in model.parameters()][:3],
+                         all(p.dtype == torch.float32 for p in model.parameters()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_trainer_with_two_processes_trains_one_plan(tmp_path):
+    """Two gloo processes under the Trainer (Accelerate's DDP) with a config-built GPT-2 and a
+    DeepSpeed-style config: the plan is applied, the loss falls, the ranks stay identical."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_trainer_worker, args=(port, tmp_path, results), nprocs=2, join=True)
+    (l0, low0, p0, fp32), (l1, _, p1, _) = results[0], results[1]
+    assert low0 > 0 and fp32 and l0[-1] < l0[0]
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)

@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -474,10 +475,20 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = {"machine": machine(a.device, dtype, reason), "workloads": {}}
-    for w in workloads:
-        results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
-        if a.json:  # a long run keeps what it has measured so far
-            _write_atomic(a.json, json.dumps(results, indent=1))
+    # A fresh kernel cache: compiled C++/Triton kernels of an earlier run would hide the
+    # first-call cost (the FX and AOT caches are switched off per variant as well).
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="amp-bench-inductor-")
+    try:
+        for w in workloads:
+            results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
+            if a.json:  # a long run keeps what it has measured so far
+                _write_atomic(a.json, json.dumps(results, indent=1))
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
     print(markdown(results))
     if a.plot:
         plot(results, a.plot)
