@@ -15,8 +15,8 @@ anything else (the value would be rounded there anyway). Moving to FP32 is exact
 The result is applied only when it casts strictly fewer elements than the greedy plan.
 
 Flexible: a PASSTHROUGH op with exactly one floating input, FP32 in the FP32
-program, writing nothing and never written in place (nor any alias of it), no
-refitted constants, whose consumers either have a compute dtype (they get a cast)
+program, writing nothing and never written in place (nor any alias of it), with no
+constant the low dtype cannot hold (a mask fill of FP32's minimum stays where it is), whose consumers either have a compute dtype (they get a cast)
 or are flexible too.
 """
 
@@ -34,6 +34,7 @@ from .graph_util import (
     AMP_FLOATS, USER_CAST_OPS, mutated_inputs, tensor_inputs, volatile_values, wanted_dtype,
 )
 from .infra import PassContext, PassResult
+from .tag import _overflowing_constants
 
 _SRC, _SINK = "FP32", "LOW"
 
@@ -44,13 +45,15 @@ def _numel(node: torch.fx.Node) -> int | None:
     return n if isinstance(n, int) else None  # symbolic sizes: no placement by size
 
 
-def _candidate(node: torch.fx.Node) -> bool:
+def _candidate(node: torch.fx.Node, low: torch.dtype) -> bool:
     i = info(node)
     if (i is None or i.inserted or i.boundary or node.op != "call_function"
             or i.precision is not Precision.PASSTHROUGH or i.compute is not None or i.constants
             or node.target in USER_CAST_OPS or not isinstance(node.target, torch._ops.OpOverload)):
         return False
     if i.orig != torch.float32 or _numel(node) is None or mutated_inputs(node):
+        return False
+    if _overflowing_constants(node, low):  # e.g. a mask fill of FP32's minimum: FP32 only
         return False
     floats = [n for n in tensor_inputs(node) if n.meta["val"].is_floating_point()]
     return len(floats) == 1 and info(floats[0]) is not None and info(floats[0]).orig == torch.float32
@@ -74,7 +77,7 @@ def place_flexible(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     low, low_outputs = ctx.low_dtype, ctx.options.low_precision_outputs
     nodes = list(gm.graph.nodes)
     written = volatile_values(gm.graph)  # an in-place write decided its dtype by the greedy plan
-    flex = {n for n in nodes if _candidate(n) and n not in written}
+    flex = {n for n in nodes if _candidate(n, low) and n not in written}
     changed = True
     while changed:  # a node whose consumer cannot take a cast keeps its greedy dtype
         changed = False

@@ -279,3 +279,20 @@ def test_min_cut_leaves_greedy_plan_when_it_is_already_best():
     gm, backend = rewrite(lambda x, w1, w2: F.gelu(x @ w1) @ w2, x, w, w)
     record = next(r for r in backend.records[0].passes if r.name == "place_flexible")
     assert not record.modified
+
+
+def test_min_cut_never_moves_a_fill_of_fp32_min_into_16_bit():
+    """Falcon's ALiBi mask: masked_fill(scores, mask, finfo(float32).min) then matmul. Casting
+    after the fill costs as much as before it; a tie must not move the fill into 16 bit,
+    where the constant does not fit (it did, in the zoo's Falcon)."""
+    from amp_compiler.passes.place_flexible import _candidate
+
+    mask = torch.rand(4, 8) > 0.5
+
+    def fn(s, m, w):
+        return torch.softmax(s, -1).masked_fill(m, torch.finfo(torch.float32).min) @ w
+
+    gm, _ = rewrite(fn, x, mask, w)
+    fill, = nodes_of(gm, aten.masked_fill)
+    assert info(fill).planned == fp32 and not _candidate(fill, bf16)
+    gm(x, mask, w)  # runs: no constant overflow
