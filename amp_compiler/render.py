@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from .backend import CompileRecord
@@ -145,50 +146,22 @@ def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -
     """A self-contained page: a collapsible module tree (search, precision bars per module,
     each module's node table built when it is opened), then small graphs drawn."""
     esc = html.escape
-    own: dict[str, list] = {}
-    for n in plan.nodes:
-        if floating(n):
-            own.setdefault(n.module, []).append(n)
-    paths = set(own)
-    for p in list(paths):
-        parts = p.split(".") if p else []
-        paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    paths.discard("")
-    children: dict[str, list[str]] = {}
-    for p in paths:
-        children.setdefault(p.rsplit(".", 1)[0] if "." in p else "", []).append(p)
-    casts_by_module: dict[str, int] = {}
-    by_name = {(n.graph, n.name): n for n in plan.nodes}
-    for c in plan.casts:
-        consumer = by_name.get((c.graph, c.consumer.split(", ")[0]))
-        key = consumer.module if consumer else ""
-        casts_by_module[key] = casts_by_module.get(key, 0) + 1
-
-    def key(p):
-        return [int(x) if x.isdigit() else x for x in p.split(".")]
-
-    def counts(path):
-        sub = [q for q in own if q == path or q.startswith(path + ".")] if path else list(own)
-        c = {k: 0 for k in ("LOW", "FP32", "PROMOTE", "PASSTHROUGH")}
-        for q in sub:
-            for n in own[q]:
-                c[n.precision] = c.get(n.precision, 0) + 1
-        casts = sum(v for q, v in casts_by_module.items() if not path or q == path or q.startswith(path + "."))
-        return c, casts
+    mods = Modules(plan)
 
     def node(path, depth):
-        c, casts = counts(path)
+        counts, casts = mods.subtree(path)
+        c = {k: counts[k] for k in PRECISIONS}
         total = max(sum(c.values()), 1)
         bar = "".join(f"<i style='width:{100 * v / total:.1f}%;background:{COLORS[k]}'></i>"
                       for k, v in c.items() if v)
         text = " ".join(f"{k} {v}" for k, v in c.items() if v)
-        fp32 = sorted({n.reason.split(" (")[0] for n in own.get(path, []) if n.precision == "FP32"})
+        fp32 = sorted(mods.fp32_reasons(path))
         reasons = f" <span class='r'>FP32: {esc('; '.join(fp32)[:160])}</span>" if fp32 else ""
         name = path.rsplit(".", 1)[-1] if path else "(top level)"
         out = [f"<details data-path='{esc(path)}'{' open' if depth == 0 else ''}><summary><b>{esc(name)}</b>"
-               f"<span class='bar'>{bar}</span><span class='n'>{text}; casts {casts}</span>{reasons}</summary>"]
-        out += [node(ch, depth + 1) for ch in sorted(children.get(path, []), key=key)]
-        if own.get(path):
+               f"<span class='bar'>{bar}</span><span class='n'>{text}; casts {len(casts)}</span>{reasons}</summary>"]
+        out += [node(ch, depth + 1) for ch in mods.children(path)]
+        if mods.own.get(path):
             out.append(f"<div class='nodes' data-m='{esc(path)}'></div>")
         out.append("</details>")
         return "".join(out)
@@ -227,73 +200,94 @@ def floating(node) -> bool:
     return node.dtype in _FLOATS or node.compute_dtype in _FLOATS
 
 
+class Modules:
+    """A plan grouped by module path: each module's own nodes that touch a floating tensor,
+    the casts inserted in front of them, and every ancestor module, for tree views."""
+
+    def __init__(self, plan: PrecisionPlan):
+        self.own: dict[str, list] = defaultdict(list)
+        self.casts: dict[str, list] = defaultdict(list)
+        by_name = {(n.graph, n.name): n for n in plan.nodes}
+        for c in plan.casts:
+            consumer = by_name.get((c.graph, c.consumer.split(", ")[0]))
+            self.casts[consumer.module if consumer else ""].append(c)
+        for n in plan.nodes:
+            if floating(n):
+                self.own[n.module].append(n)
+        paths = set(self.own) | set(self.casts)
+        for p in list(paths):  # every ancestor gets a row
+            parts = p.split(".") if p else []
+            paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        paths.discard("")
+        self._children: dict[str, list[str]] = defaultdict(list)
+        for p in sorted(paths, key=_path_key):
+            self._children[p.rsplit(".", 1)[0] if "." in p else ""].append(p)
+        self._subtree: dict[str, tuple] = {}
+        self._signature: dict[str, tuple] = {}
+
+    def children(self, path: str) -> list[str]:
+        return self._children.get(path, [])
+
+    def subtree(self, path: str) -> tuple:
+        """(Counter of precisions, casts) over the module and everything it holds."""
+        if path not in self._subtree:
+            counts = Counter(n.precision for n in self.own.get(path, []))
+            casts = list(self.casts.get(path, []))
+            for child in self.children(path):
+                c, k = self.subtree(child)
+                counts.update(c)
+                casts += k
+            self._subtree[path] = (counts, casts)
+        return self._subtree[path]
+
+    def fp32_reasons(self, path: str):
+        """The module's own FP32 nodes' reasons (without their parenthesised detail), counted."""
+        return Counter(n.reason.split(" (")[0] for n in self.own.get(path, []) if n.precision == "FP32")
+
+    def signature(self, path: str) -> tuple:
+        """What a subtree shows, child names relative: equal for repeated blocks."""
+        if path not in self._signature:
+            own = tuple(sorted(Counter(n.precision for n in self.own.get(path, [])).items()))
+            self._signature[path] = (own, len(self.casts.get(path, ())), tuple(sorted(self.fp32_reasons(path))),
+                                     tuple((c.rsplit(".", 1)[-1], self.signature(c)) for c in self.children(path)))
+        return self._signature[path]
+
+
+def _path_key(path: str) -> list:
+    return [int(x) if x.isdigit() else x for x in path.split(".")]
+
+
+PRECISIONS = ("LOW", "FP32", "PROMOTE", "PASSTHROUGH")
+
+
 def module_tree(plan, title: str = "amp plan"):
     """A rich Tree: per module (nested by path) its nodes per precision, casts and bytes
     cast (subtree totals), and the reasons its own FP32 nodes give (pins included)."""
-    from collections import Counter, defaultdict
-
     from rich.text import Text
     from rich.tree import Tree
 
-    casts_at: dict[tuple, list] = defaultdict(list)
-    by_name = {(n.graph, n.name): n for n in plan.nodes}
-    for c in plan.casts:
-        consumer = by_name.get((c.graph, c.consumer.split(", ")[0]))
-        casts_at[consumer.module if consumer else ""].append(c)
-    own: dict[str, list] = defaultdict(list)
-    for n in plan.nodes:
-        if floating(n):
-            own[n.module].append(n)
-    paths = set(own) | set(casts_at)
-    for p in list(paths):  # every ancestor gets a row
-        parts = p.split(".") if p else []
-        paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    paths.discard("")
-
-    def subtree(prefix: str):
-        return [p for p in paths if p == prefix or p.startswith(prefix + ".")] if prefix else list(paths) + [""]
+    mods = Modules(plan)
 
     def label(path: str) -> Text:
-        members = subtree(path)
-        counts = Counter(n.precision for p in members for n in own.get(p, []))
-        casts = [c for p in members for c in casts_at.get(p, [])]
+        counts, casts = mods.subtree(path)
         nbytes = sum(c.bytes or 0 for c in casts)
         text = Text(path.rsplit(".", 1)[-1] if path else title, style="bold")
         text.append("  ")
-        for prec in ("LOW", "FP32", "PROMOTE", "PASSTHROUGH"):
+        for prec in PRECISIONS:
             if counts[prec]:
                 text.append(f"{prec} {counts[prec]} ", style=_COLOURS[prec])
         if casts:
             text.append(f" casts {len(casts)} ({nbytes / 2**20:.2f} MiB)", style="cyan")
-        reasons = Counter(n.reason.split(" (")[0] for n in own.get(path, []) if n.precision == "FP32")
-        for reason, k in reasons.most_common(2):
+        for reason, k in mods.fp32_reasons(path).most_common(2):
             text.append(f"\n  FP32 x{k}: {reason[:100]}", style="red")
         return text
 
-    children: dict[str, list[str]] = defaultdict(list)
-    for p in paths:
-        children[p.rsplit(".", 1)[0] if "." in p else ""].append(p)
-
-    def key(p):
-        return [int(x) if x.isdigit() else x for x in p.split(".")]
-
-    def signature(path):
-        """What a subtree shows, paths made relative: equal for repeated blocks."""
-        rows = []
-        for q in sorted(subtree(path), key=key):
-            rel = q[len(path):]
-            counts = tuple(sorted(Counter(n.precision for n in own.get(q, [])).items()))
-            rows.append((rel, counts, len(casts_at.get(q, ())),
-                         tuple(sorted({n.reason.split(" (")[0] for n in own.get(q, []) if n.precision == "FP32"}))))
-        return tuple(rows)
-
     def add(tree, path):
-        kids = sorted(children.get(path, []), key=key)
+        kids = mods.children(path)
         i = 0
         while i < len(kids):  # a run of identical siblings (h.0 ... h.47) is shown once
             j = i + 1
-            sig = signature(kids[i])
-            while j < len(kids) and signature(kids[j]) == sig:
+            while j < len(kids) and mods.signature(kids[j]) == mods.signature(kids[i]):
                 j += 1
             branch = tree.add(label(kids[i]) if j - i == 1 else
                               Text(f"{kids[i].rsplit('.', 1)[-1]} .. {kids[j - 1].rsplit('.', 1)[-1]}: "
