@@ -89,29 +89,30 @@ class AmpBackend:
                 return self._record_unapplied(gm, example_inputs, opts, reason)
             return self._rewrite(gm, example_inputs, opts, dtype, reason)
 
-    def _rewrite(self, gm, example_inputs, opts, dtype, reason) -> torch.fx.GraphModule:
+    def _planned(self, gm, example_inputs, opts, low_dtype):
+        """Dynamo's graph as ATen, through the pipeline: (graph, fake mode, fake inputs, passes)."""
         aten_gm, fake_mode, inputs = to_aten(gm, example_inputs)
-        ctx = PassContext(policy=opts.policy(LOW_DTYPES[dtype]), options=opts,
-                          fake_mode=fake_mode, graph_index=self.compiled)
-        passes = run_pipeline(aten_gm, ctx, self.pipeline)
+        ctx = PassContext(policy=opts.policy(low_dtype), options=opts, fake_mode=fake_mode,
+                          graph_index=self.compiled)
+        return aten_gm, fake_mode, inputs, run_pipeline(aten_gm, ctx, self.pipeline)
+
+    def _rewrite(self, gm, example_inputs, opts, dtype, reason) -> torch.fx.GraphModule:
+        aten_gm, fake_mode, inputs, passes = self._planned(gm, example_inputs, opts, LOW_DTYPES[dtype])
         aten_gm.recompile()
         reason = _with_policy(reason, opts)
-        plan = GraphPlan.from_graph(aten_gm, ctx.graph_index, dtype, reason)
+        plan = GraphPlan.from_graph(aten_gm, self.compiled, dtype, reason)
         if opts.policy_source is not None:
             check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
-        self._record(CompileRecord(ctx.graph_index, dtype, reason, aten_gm, plan, passes, opts))
+        self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts))
         return aten_gm
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> torch.fx.GraphModule:
         """FP32: Dynamo's graph goes on unchanged; the BF16 plan is recorded for inspection."""
         index = self.compiled
         try:
-            aten_gm, fake_mode, _ = to_aten(gm, example_inputs)
-            ctx = PassContext(policy=opts.policy(torch.bfloat16), options=opts,
-                              fake_mode=fake_mode, graph_index=index)
-            passes = run_pipeline(aten_gm, ctx, self.pipeline)
+            aten_gm, _, _, passes = self._planned(gm, example_inputs, opts, torch.bfloat16)
             plan = GraphPlan.from_graph(aten_gm, index, "fp32", f"{reason}; plan shown is BF16's")
         except Exception as e:  # the plan is information only: never fail an FP32 run over it
             passes = []

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -28,11 +27,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .atomic import write_text
 from .backend import AmpBackend
 from .doctor import FP16_MAX, NodeError, side_by_side
 from .meta import info
 from .plan import PrecisionPlan
-from .policy_file import FORMAT, VERSION, fingerprint
+from .policy_file import FORMAT, VERSION, fingerprint, with_pins
 
 __all__ = ["Calibration", "Pin", "calibrate"]
 _MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear", "aten.baddbmm",
@@ -80,10 +80,7 @@ class Calibration:
     @property
     def options(self) -> dict:
         """Options for ``torch.compile(..., options=...)`` that apply the pins."""
-        out = dict(self.base_options)
-        for pin in self.pins:
-            out[pin.option] = tuple(out.get(pin.option, ())) + (pin.pattern,)
-        return out
+        return with_pins(self.base_options, ((p.option, p.pattern) for p in self.pins))
 
     def summary(self) -> str:
         lines = [f"{self.dtype}, budget {self.budget:.1e} over {self.batches} batch(es): output error "
@@ -112,18 +109,7 @@ class Calibration:
 
     def save(self, path: str) -> None:
         """Write the policy file atomically (a temp file renamed into place)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"cannot write {path!r}: folder {folder!r} does not exist")
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def _num(v: Any) -> Any:
@@ -157,16 +143,14 @@ def _rel(a: torch.Tensor, r: torch.Tensor) -> tuple[float, bool]:
 def _measure(model, batches, dtype, options, loss_fn) -> Measure:
     """Output errors on every batch; node errors (and the plan) on the first."""
     m = Measure(0.0, False, False)
-    for i, batch in enumerate(batches):
+    _profile(model, *_split(batches[0]), dtype, options, m)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=AmpBackend(options, dtype=dtype, inner="eager"))
+    for batch in batches:  # one compile for all batches (Dynamo recompiles on a new shape)
         args, kwargs = _split(batch)
         with torch.no_grad():
             ref = model(*args, **kwargs)
-        if i == 0:
-            _profile(model, args, kwargs, dtype, options, m)
-        backend = AmpBackend(options, dtype=dtype, inner="eager")
-        torch._dynamo.reset()
-        with torch.no_grad():
-            out = torch.compile(model, backend=backend)(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         pairs = [(a, r) for a, r in zip(tree_leaves(out), tree_leaves(ref))
                  if isinstance(r, torch.Tensor) and r.is_floating_point()]
         if loss_fn is not None:
@@ -270,9 +254,7 @@ def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "b
     model.eval()
     try:
         def measure(pins: list[Pin]) -> Measure:
-            opts = dict(base)
-            for p in pins:
-                opts[p.option] = tuple(opts.get(p.option, ())) + (p.pattern,)
+            opts = with_pins(base, ((p.option, p.pattern) for p in pins))
             return _measure(model, batches, dtype, opts, loss_fn)
 
         first = current = measure([])

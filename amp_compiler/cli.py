@@ -18,8 +18,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
+from .atomic import write_text
 from .options import AmpOptionsError
 from .target import TargetError
 
@@ -39,18 +39,10 @@ def write_output(text: str, path: str | None) -> None:
     if path is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise CliError(f"cannot write {path!r}: folder {folder!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".amp-", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        write_text(path, text)
+    except FileNotFoundError as e:
+        raise CliError(str(e)) from None
 
 
 def _options(args) -> dict:

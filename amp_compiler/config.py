@@ -119,7 +119,7 @@ def _parse(config: dict, source: str) -> AmpConfig:
     if bf16 is not None and set(bf16) - {"enabled"}:
         raise AmpConfigError(f"config 'bf16' has unknown key(s) {sorted(set(bf16) - {'enabled'})}; "
                              "it takes only 'enabled'")
-    for name, section in (("bf16", bf16), ("fp16", fp16 if fp16 is not None else None)):
+    for name, section in (("bf16", bf16), ("fp16", fp16)):
         if section is not None and "enabled" in section and not isinstance(section["enabled"], bool):
             raise AmpConfigError(f"config '{name}.enabled' must be true or false, got {section['enabled']!r}")
     if fp16 is not None:

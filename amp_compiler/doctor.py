@@ -22,6 +22,7 @@ from .backend import AmpBackend
 from .capture import to_aten
 from .explain import trace
 from .meta import info
+from .options import AmpOptions
 
 FP16_MAX = 65504.0
 
@@ -94,8 +95,8 @@ def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
     return rows
 
 
-def side_by_side(model, args, kwargs, dtype: str, options: dict | None, *, on_graph=None,
-                 on_run=None) -> tuple[DoctorRun, AmpBackend]:
+def side_by_side(model, args, kwargs, dtype: str, options: AmpOptions | dict | None, *,
+                 on_graph=None, on_run=None) -> tuple[DoctorRun, AmpBackend]:
     """Run every graph FP32 and through the plan on the same inputs, node by node.
 
     ``on_graph(index, amp_gm)`` sees each rewritten graph once; ``on_run(index, amp_gm,
@@ -127,7 +128,7 @@ def side_by_side(model, args, kwargs, dtype: str, options: dict | None, *, on_gr
     return result, amp
 
 
-def _run(model, args, kwargs, dtype: str, options: dict | None) -> DoctorRun:
+def _run(model, args, kwargs, dtype: str, options: AmpOptions | dict | None) -> DoctorRun:
     return side_by_side(model, args, kwargs, dtype, options)[0]
 
 

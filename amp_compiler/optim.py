@@ -38,7 +38,7 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
             return "amsgrad=True"
         if any(p.dtype != torch.float32 for p in g["params"]):
             return "parameters that are not FP32"
-        if any(type(p).__name__ == "DTensor" or isinstance(p.data, DTensor) for p in g["params"]):
+        if any(isinstance(p, DTensor) for p in g["params"]):
             return "sharded (DTensor) parameters: the optimizer's own step() handles them"
     return None
 

@@ -154,7 +154,7 @@ def _with_policy_file(merged: dict) -> dict:
         raise AmpOptionsError(str(e)) from None
     overridden = []
     for name, value in policy.options().items():
-        if name not in cls_names():
+        if name not in AmpOptions.names():
             raise AmpOptionsError(f"policy file {path!r}: unknown option {name!r} in overrides")
         if name not in merged:
             merged[name] = value
@@ -162,10 +162,6 @@ def _with_policy_file(merged: dict) -> dict:
             overridden.append(name)
     merged["policy_file"] = os.fspath(path)
     return {"policy_source": policy, "policy_overridden": tuple(overridden)}
-
-
-def cls_names() -> list[str]:
-    return AmpOptions.names()
 
 
 def _as_tuple(value: object) -> object:

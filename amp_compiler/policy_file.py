@@ -84,10 +84,15 @@ class PolicyFile:
 
     def options(self) -> dict:
         """Backend options this file stands for (pins merged into their option lists)."""
-        out = {k: v for k, v in self.overrides.items()}
-        for pin in self.pins:
-            out[pin["option"]] = tuple(out.get(pin["option"], ())) + (pin["pattern"],)
-        return out
+        return with_pins(self.overrides, ((p["option"], p["pattern"]) for p in self.pins))
+
+
+def with_pins(options: dict, pins) -> dict:
+    """``options`` with each ``(option, pattern)`` pin appended to that option's list."""
+    out = dict(options)
+    for option, pattern in pins:
+        out[option] = tuple(out.get(option, ())) + (pattern,)
+    return out
 
 
 def _note(path: str, pin: dict) -> str:

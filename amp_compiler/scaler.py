@@ -107,17 +107,21 @@ class LossScaler(GradScaler):
             self._pending_found = sum(found) if found else None
         return retval
 
-    def record_found_inf(self, optimizer, found_inf: torch.Tensor) -> None:
-        """Take the Inf/NaN flag of an update done outside ``step()`` (the training step's
-        fused update), so that ``update()`` backs off or grows as after ``step()``."""
+    def update_outside_step(self, optimizer, found_inf: torch.Tensor) -> tuple[bool, float, float]:
+        """After an update done outside ``step()`` that already skipped itself where
+        ``found_inf`` (the training step's fused update, the Trainer callback's dropped
+        gradients): back off or grow the scale as ``update()`` does after ``step()``, then
+        read (skipped, scale used, next scale) in one host synchronisation."""
+        before = self._scale.clone()
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = {found_inf.device: found_inf.float()}
         state["stage"] = OptState.STEPPED
-
-    def settle(self, skipped: bool) -> None:
-        """The host learned whether the recorded step was skipped (no extra sync)."""
-        self._last_skipped = skipped
-        self._skipped_steps += skipped
+        self.update()
+        skipped, used, after = torch.stack([found_inf.float().reshape(()), before.reshape(()),
+                                            self._scale.reshape(())]).tolist()
+        self._last_skipped = bool(skipped)
+        self._skipped_steps += self._last_skipped
+        return self._last_skipped, used, after
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:
@@ -178,3 +182,12 @@ class LossScaler(GradScaler):
             state["_init_hysteresis_left"] = int(self._hysteresis_left.item())
         state["_hysteresis_left"] = None
         return state
+
+
+def nonfinite(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """A 0-dim float tensor on ``device``, nonzero if any of ``grads`` holds Inf/NaN (the
+    check GradScaler runs, with nothing to unscale; no host synchronisation)."""
+    found = torch.zeros((), device=device)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+    return found

@@ -34,7 +34,7 @@ from .distributed import agree_on_dtype, any_rank, check_same_plan, install_comm
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
 from .options import AmpOptions
-from .scaler import LossScaler
+from .scaler import LossScaler, nonfinite
 
 log = logging.getLogger("amp_compiler")
 
@@ -77,7 +77,7 @@ class TrainStep:
             monitor.explain = self._explain_alert
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
-        self._one = None
+        self._one = torch.ones((), device=self._params[0].device) if self._params else None
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
         self._batch = inputs
@@ -110,26 +110,14 @@ class TrainStep:
         one host synchronisation reads what happened."""
         scaler = self.scaler
         if scaler.is_enabled():
-            scale = scaler._scale
-            before = scale.clone()
+            found, grad_norm = self.fused(scaler._scale)
+            skipped, scale, scale_after = scaler.update_outside_step(self.optimizer, found)
         else:
-            if self._one is None:
-                self._one = torch.ones((), device=self._params[0].device)
-            scale = before = self._one
-        found, grad_norm = self.fused(scale)
-        if scaler.is_enabled():
-            scaler.record_found_inf(self.optimizer, found)
-            scaler.update()
-        after = scaler._scale if scaler.is_enabled() else before
-        skipped_f, scale_before, scale_after = torch.stack(
-            [found.float(), before.float(), after.float()]).tolist()  # the one sync
-        skipped = bool(skipped_f)
-        if scaler.is_enabled():
-            scaler.settle(skipped)
+            found, grad_norm = self.fused(self._one)
+            skipped, scale, scale_after = bool(found.item()), 1.0, None  # the one sync
         if not skipped:
             self.optimizer._opt_called = True  # what optimizer.step() tells an LR scheduler
-        return self._after_step(loss, skipped, scale_before, scale_after if scaler.is_enabled() else None,
-                                grad_norm)
+        return self._after_step(loss, skipped, scale, scale_after, grad_norm)
 
     def _optimizer_step(self, loss: torch.Tensor, scale: float) -> StepResult:
         scaler = self.scaler
@@ -186,9 +174,8 @@ class TrainStep:
         batch = self._offending
         args, kwargs = ((), batch) if isinstance(batch, dict) else (
             (batch if isinstance(batch, tuple) else (batch,)), {})
-        options = {n: getattr(self.backend.options, n) for n in ("fp32_modules", "fp32_ops",
-                                                                 "low_ops", "policy_file")}
-        run = _run(self.model, args, kwargs, self.dtype, {k: v for k, v in options.items() if v})
+        # the training step's own options (every override and pin), without its graph dumps
+        run = _run(self.model, args, kwargs, self.dtype, self.backend.options.replace(dump_dir=None))
         bad = run.first_nonfinite
         if bad is None:
             note = ("; the forward pass is finite on the offending batch: the overflow is in "
@@ -204,9 +191,7 @@ class TrainStep:
         """BF16: no scaler, but a step with Inf/NaN gradients is still skipped, on every rank
         (sharded gradients: an Inf in one rank's shard is that rank's alone until reduced)."""
         grads = [_local(p.grad) for p in self._params if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+        found = nonfinite(grads, grads[0].device if grads else "cpu")
         self._found_inf = bool(any_rank(found).item())
 
     def _grad_norm(self) -> torch.Tensor:
@@ -271,8 +256,8 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
     log.info("amp training step: %s (%s)", choice, reason)
     if scaler is None:
-        scaler = cfg.scaler(device.type) if choice == "fp16" and cfg.dtype == "fp16" else None
-        scaler = scaler or LossScaler(device.type, dtype=choice)
+        # a config's fp16 section describes the scaler (it also fixed the dtype to fp16)
+        scaler = cfg.scaler(device.type) or LossScaler(device.type, dtype=choice)
     elif choice == "bf16" and scaler.is_enabled():
         raise ValueError("BF16 needs no loss scaling: pass no scaler, or LossScaler(..., dtype='bf16')")
     elif choice == "fp32" and scaler.is_enabled():

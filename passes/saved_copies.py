@@ -19,18 +19,17 @@ import hashlib
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .graph_util import node_dtype
+
 _CAST = torch.ops.prims.convert_element_type.default
 _LOW = (torch.bfloat16, torch.float16)
 _ALIAS = {torch.ops.aten.alias.default}
+# Views in the joint graph, where _unsafe_view (no alias in its schema, so not graph_util's
+# is_view) carries matmul outputs too.
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
           torch.ops.aten.alias.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
           torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
           torch.ops.aten.slice.Tensor, torch.ops.aten._unsafe_view.default}
-
-
-def _dtype(node: torch.fx.Node):
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _closure(node: torch.fx.Node, ops) -> list[torch.fx.Node]:
@@ -65,7 +64,7 @@ def reuse_saved_copies(graph: torch.fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for node in list(graph.nodes):
-        if node in bwd or node.op != "call_function" or _dtype(node) != torch.float32:
+        if node in bwd or node.op != "call_function" or node_dtype(node) != torch.float32:
             continue
         copy = next((u for u in node.users if u.target is _CAST and u not in bwd
                      and u.args[1] in _LOW), None)

@@ -19,19 +19,11 @@ from conftest import cosine  # noqa: E402
 
 
 def saved_bytes(fwd, model, x, autocast=False) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = fwd(x)
-    out.float().pow(2).mean().backward()
-    return sum(seen.values())
+            return fwd(x)
+
+    return bench.saved_bytes(forward, model.parameters(), lambda out: out.float().pow(2).mean())
 
 
 def test_explicit_softmax_attention_saves_no_more_than_autocast():

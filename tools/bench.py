@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from amp_compiler import AmpBackend, make_train_step
+from amp_compiler.atomic import write_text
 from amp_compiler.device import native_dtypes, resolve_dtype
 
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
@@ -271,22 +272,29 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def saved_activation_bytes(v: Variant, x, y, loss_fn) -> int:
-    """Bytes of the tensors autograd saves for backward in one forward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in v.model.parameters()}
+def saved_bytes(run, params, then=lambda result: result) -> int:
+    """Bytes of the tensors autograd saves for backward while ``run()`` executes (storages
+    of ``params`` excluded; 16-bit copies of them count); then ``then(result).backward()``."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
+        if s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(v.forward(x), y)
-    loss.backward()
-    v.model.zero_grad(set_to_none=True)
+        result = run()
+    then(result).backward()
     return sum(seen.values())
+
+
+def saved_activation_bytes(v: Variant, x, y, loss_fn) -> int:
+    """Bytes saved for backward by one forward and loss of a variant."""
+    n = saved_bytes(lambda: loss_fn(v.forward(x), y), v.model.parameters())
+    v.model.zero_grad(set_to_none=True)
+    return n
 
 
 def first_step(v: Variant, x, y) -> None:
@@ -432,13 +440,6 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -483,7 +484,7 @@ def main(argv=None) -> int:
         for w in workloads:
             results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
             if a.json:  # a long run keeps what it has measured so far
-                _write_atomic(a.json, json.dumps(results, indent=1))
+                write_text(a.json, json.dumps(results, indent=1))
     finally:
         if saved is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -32,7 +32,7 @@ from ..config import AmpConfig, merge
 from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
 from ..plan import PrecisionPlan
-from ..scaler import LossScaler
+from ..scaler import LossScaler, nonfinite
 
 log = logging.getLogger("amp_compiler")
 
@@ -83,8 +83,7 @@ class AmpCallback(TrainerCallback):
         self.backend = AmpBackend(self.options, dtype=self.dtype)
         forward = torch.compile(model.forward, backend=self.backend)
         if self.dtype == "fp16":
-            self.scaler = self.config.scaler(device.type) if self.config.dtype == "fp16" else None
-            self.scaler = self.scaler or LossScaler(device.type)
+            self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(model)
             model.forward = self._scaled(forward)
@@ -96,15 +95,8 @@ class AmpCallback(TrainerCallback):
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        scale_before = self.scaler._scale.clone()
-        found = torch.zeros((), device=scale_before.device)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
-        self.scaler.record_found_inf(optimizer, found)
-        self.scaler.update()
-        skipped, before, after = torch.stack([found, scale_before, self.scaler._scale]).tolist()
-        skipped = bool(skipped)
-        self.scaler.settle(skipped)
+        found = nonfinite(grads, self.scaler._scale.device)
+        skipped, before, after = self.scaler.update_outside_step(optimizer, found)
         if skipped:  # parameters without a gradient are left alone by every torch optimizer
             self.skipped_steps += 1
             for p in model.parameters():
