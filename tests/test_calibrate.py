@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from amp_compiler import AmpBackend, AmpOptionsError, calibrate
 
-from conftest import MLP
+from conftest import MLP, OpRecorder, recording_backend
 
 
 class Diff(nn.Module):
@@ -95,6 +95,13 @@ def test_policy_file_round_trip_reasons_and_explicit_options_win(tmp_path, caplo
     pinned = [n for n in backend.plan().nodes if n.module == "diff.a" and n.op.startswith("aten.linear")]
     assert pinned and pinned[0].precision == "FP32"
     assert "policy file amp-policy.json" in pinned[0].reason and "measured output error" in pinned[0].reason
+
+    torch._dynamo.reset()  # what executes: the pinned module's matmuls in FP32, the rest in BF16
+    rec = OpRecorder()
+    torch.compile(Cancelling(), backend=AmpBackend(policy_file=str(path), inner=recording_backend(rec)))(
+        batches(1)[0])
+    ran = rec.dtypes_of(torch.ops.aten.addmm)
+    assert ran.count([torch.float32] * 3) == 2 and ran.count([torch.bfloat16] * 3) == 2
 
     torch._dynamo.reset()
     backend = AmpBackend(policy_file=str(path), fp32_modules=[r"^out$"], inner="eager")

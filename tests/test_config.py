@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from amp_compiler import AmpBackend, make_train_step
 from amp_compiler.config import AmpConfig, AmpConfigError
 
-from conftest import MLP
+from conftest import MLP, OpRecorder, recording_backend
 
 FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                  "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 4}}
@@ -60,6 +60,18 @@ def test_json_file_feeds_backend_and_train_step_alike(tmp_path):
     assert (step.dtype, step.max_grad_norm, step.grad_accum) == ("bf16", 1.0, 2)
     assert step.backend.options.fp32_modules == ("^0$",)
     assert not step.scaler.is_enabled()
+
+
+def test_config_plan_is_what_executes():
+    """Through a config, the second Linear's matmul runs in BF16, the pinned first in FP32."""
+    rec = OpRecorder()
+    model = mlp()
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
+                           config={"bf16": {"enabled": True}, "amp": {"fp32_modules": ["^0$"]}},
+                           compile_options={"inner": recording_backend(rec)})
+    step(torch.randn(4, 8), torch.randn(4, 1))
+    forward = [c for c in rec.dtypes_of(torch.ops.aten.addmm)]
+    assert [torch.float32] * 3 in forward and [torch.bfloat16] * 3 in forward
 
 
 def test_neither_enabled_means_fp32_and_no_section_means_auto():
