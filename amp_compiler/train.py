@@ -11,8 +11,9 @@ BF16), the allow/deny lists (the backend's policy). Each call runs:
     -> Inf/NaN monitor
 
 and returns ``StepResult(loss, skipped, scale, grad_norm)``. For Adam, AdamW and
-SGD everything after backward is one generated program (``optim.FusedUpdate``:
-the skip is decided on the device) followed by the scale update, and the one host
+SGD everything after backward runs on the device as PyTorch's fused optimizer
+kernels (``optim.FusedUpdate``: norm, Inf/NaN check, unscale, clip, update; the
+skip is decided on the device) followed by the scale update, and the one host
 synchronisation per optimizer step reads skipped / scale before / scale after
 together; accumulation micro-steps synchronise nothing. Other optimizers run
 their own ``step()`` behind GradScaler's finite check.
@@ -234,9 +235,9 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     dtype, the FP16 scaler, the policy ("amp" section), clipping and accumulation; an
     argument given here as well must agree with it; ``compile_options`` win over its "amp"
     section.
-    ``fused_update``: None (default) runs unscale/check/clip/update as one generated
-    program for Adam, AdamW and SGD (compiled by Inductor unless the backend's inner
-    compiler is "eager" or "aot_eager") and ``optimizer.step()`` for any other optimizer;
+    ``fused_update``: None (default) runs norm/check/unscale/clip/update on the device
+    with PyTorch's fused kernels for Adam, AdamW and SGD (``optim.FusedUpdate``) and
+    ``optimizer.step()`` for any other optimizer;
     True requires it, False always uses ``optimizer.step()``.
     ``ddp_comm_dtype``: "bf16"/"fp16" all-reduces a DDP model's gradients in 16 bit
     (PyTorch's compress hooks; ``step.comm`` counts the bytes); the update stays FP32.
@@ -271,7 +272,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     step = TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
                      monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                      lr_scheduler=lr_scheduler, backend=backend,
-                     fused=_fused_update(optimizer, max_grad_norm, fused_update, backend))
+                     fused=_fused_update(optimizer, max_grad_norm, fused_update))
     step.comm = comm
     return step
 
@@ -309,7 +310,7 @@ def _compile(model: torch.nn.Module, backend: AmpBackend):
     return model
 
 
-def _fused_update(optimizer, max_grad_norm, wanted: bool | None, backend) -> FusedUpdate | None:
+def _fused_update(optimizer, max_grad_norm, wanted: bool | None) -> FusedUpdate | None:
     if wanted is False:
         return None
     why = unsupported(optimizer)
@@ -319,9 +320,7 @@ def _fused_update(optimizer, max_grad_norm, wanted: bool | None, backend) -> Fus
                              "to the optimizer's own step()")
         log.info("amp training step: optimizer.step() (%s)", why)
         return None
-    # Inductor generates the update unless the forward itself was asked not to be compiled
-    return FusedUpdate(optimizer, max_grad_norm,
-                       compile=backend.options.inner not in ("eager", "aot_eager"))
+    return FusedUpdate(optimizer, max_grad_norm)
 
 
 def _check_master_weights(model: torch.nn.Module) -> None:
