@@ -1,0 +1,133 @@
+"""The Inductor passes that steer code generation on CPU: proven by what executes and what
+backward saves, with the same values as the program without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import profile
+
+from amp_compiler import AmpBackend
+from amp_compiler.passes import fold_broadcast_bmm as fold_mod
+from amp_compiler.passes import recompute_masks as masks_mod
+
+
+aten = torch.ops.aten
+
+
+class ReluScaled(nn.Module):
+    """ReLU whose output is not saved (the next op scales it first), so its backward
+    needs a mask: the case where the partitioner saves a bool tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)) * 0.5)
+
+
+def saved_dtypes_and_grads(model, x, dtype):
+    saved = []
+
+    def pack(t):
+        saved.append(t.dtype)
+        return t
+
+    model.zero_grad()
+    compiled = torch.compile(model, backend=AmpBackend(dtype=dtype, inner="inductor"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.float().pow(2).sum().backward()
+    return saved, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def no_caches():
+    # a cached graph would skip the passes this test switches off
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_relu_mask_is_recomputed_not_saved_and_gradients_are_identical(dtype, monkeypatch, no_caches):
+    torch.manual_seed(0)
+    model, x = ReluScaled(), torch.randn(32, 16)
+    saved, grads = saved_dtypes_and_grads(model, x, dtype)
+    assert saved and torch.bool not in saved, saved
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(masks_mod, "recompute_masks", lambda graph: 0)
+    saved_off, grads_off = saved_dtypes_and_grads(model, x, dtype)
+    assert torch.bool in saved_off  # the control: without the pass a mask is saved
+    for g, h in zip(grads, grads_off):
+        assert torch.equal(g, h)  # the same comparison of the same tensor
+
+
+def test_random_masks_are_left_to_the_partitioner():
+    """Dropout's mask compares random numbers: recomputing it would need the draw again."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    t = graph.placeholder("tangents_1")
+    r = graph.call_function(aten.rand_like.default, (x,))
+    m = graph.call_function(aten.lt.Scalar, (r, 0.9))
+    y = graph.call_function(aten.le.Scalar, (x, 0))
+    graph.output((graph.call_function(aten.mul.Tensor, (t, m)),
+                  graph.call_function(aten.mul.Tensor, (t, y))))
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        vals = {"x": torch.empty(4), "tangents_1": torch.empty(4)}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = vals[n.name]
+        elif n.op == "call_function":
+            with fake:
+                args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args]
+                n.meta["val"] = n.target(*args)
+    assert masks_mod.recompute_masks(graph) == 1
+    assert "recompute" not in m.meta and "recompute" in y.meta
+
+
+class InProjection(nn.Module):
+    """``nn.MultiheadAttention``'s layout: a linear on a transposed (seq, batch, d) view."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 96)
+
+    def forward(self, x):
+        return self.proj(x.transpose(0, 1))
+
+
+def executed(fn, *args):
+    """The ATen ops the compiled code ran (its extern kernels), by the profiler."""
+    with profile() as prof:
+        out = fn(*args)
+    return out, {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_linear_on_a_transposed_batch_runs_one_mm_not_a_broadcast_bmm(grad, no_caches):
+    torch.manual_seed(0)
+    model, x = InProjection(), torch.randn(4, 16, 32)
+    compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor"))
+    with torch.set_grad_enabled(grad):
+        compiled(x)
+        out, ops = executed(compiled, x)
+    assert "aten::bmm" not in ops and "aten::mm" in ops, ops
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_broadcast_bmm_control_without_the_pass(monkeypatch, no_caches):
+    """Without the rewrite Inductor runs the broadcast bmm (what the pass exists to avoid)."""
+    monkeypatch.setattr(fold_mod, "fold_broadcast_bmm", lambda graph: 0)
+    model, x = InProjection(), torch.randn(4, 16, 32)
+    compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor"))
+    with torch.no_grad():
+        compiled(x)
+        assert "aten::bmm" in executed(compiled, x)[1]
