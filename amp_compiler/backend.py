@@ -161,9 +161,7 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from amp_compiler.passes.fold_broadcast_bmm import FoldBroadcastBmm
-        from amp_compiler.passes.recompute_masks import RecomputeMasks
-        from amp_compiler.passes.saved_copies import ReuseSavedCopies
+        from amp_compiler.passes.inductor_pass import InductorPass
 
         patches = {}
         if mode and mode != "default":
@@ -172,9 +170,12 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
             patches = dict(list_mode_options(mode))
         # backward reads the 16-bit copies of FP32 islands that are saved anyway, and
         # recomputes comparison masks instead of saving bool tensors (slow C++ code)
-        patches["joint_custom_pre_pass"] = [ReuseSavedCopies(), RecomputeMasks()]
+        patches["joint_custom_pre_pass"] = [
+            InductorPass("amp_compiler.passes.saved_copies", "reuse_saved_copies"),
+            InductorPass("amp_compiler.passes.recompute_masks", "recompute_masks")]
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
-        patches["post_grad_custom_pre_pass"] = FoldBroadcastBmm()
+        patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.passes.fold_broadcast_bmm",
+                                                            "fold_broadcast_bmm")
         return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
     from torch._dynamo import lookup_backend
 

@@ -12,10 +12,7 @@ into a contiguous ``(batch * m, k)`` matrix instead (what eager ``matmul`` does)
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 aten = torch.ops.aten
 _LOW = (torch.bfloat16, torch.float16)
@@ -69,14 +66,3 @@ def fold_broadcast_bmm(graph: torch.fx.Graph) -> int:
     if done:
         graph.eliminate_dead_code()
     return done
-
-
-class FoldBroadcastBmm(CustomGraphPass):
-    """``fold_broadcast_bmm`` as Inductor's ``post_grad_custom_pre_pass`` (cache-keyed by this file)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        fold_broadcast_bmm(graph)
-
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()

@@ -16,10 +16,7 @@ alone too: Triton writes bool tensors at full speed, and there memory is the sca
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 aten = torch.ops.aten
@@ -65,14 +62,3 @@ def recompute_masks(graph: torch.fx.Graph) -> int:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             done += 1
     return done
-
-
-class RecomputeMasks(CustomGraphPass):
-    """``recompute_masks`` as Inductor's ``joint_custom_pre_pass`` (cache-keyed by this file)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        recompute_masks(graph)
-
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()

@@ -14,10 +14,7 @@ consumer saw it: softmax's gradient is computed from BF16 probabilities, as unde
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .graph_util import node_dtype
 
@@ -84,19 +81,3 @@ def reuse_saved_copies(graph: torch.fx.Graph) -> int:
             user.replace_input_with(value, up)
         done += 1
     return done
-
-
-def _position(graph: torch.fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
-
-
-class ReuseSavedCopies(CustomGraphPass):
-    """``reuse_saved_copies`` as Inductor's ``joint_custom_pre_pass`` (cache-keyed by this file)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        reuse_saved_copies(graph)
-
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
