@@ -176,23 +176,10 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
         patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.passes.fold_broadcast_bmm",
                                                             "fold_broadcast_bmm")
-        return lambda gm, ex: compile_fx(gm, ex, config_patches=patches,
-                                         decompositions=_decompositions(ex))
+        return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
     from torch._dynamo import lookup_backend
 
     return lookup_backend(inner)
-
-
-def _decompositions(example_inputs) -> dict | None:
-    """Inductor's decompositions, less those whose ATen CPU kernel beats the generated code:
-    ``embedding_dense_backward`` (0.1 ms in ATen, 1.0 ms generated: 1024 tokens into a
-    2048 x 512 table, 2 cores; Inductor makes the same exception on XPU)."""
-    if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in example_inputs):
-        return None  # Inductor's own table
-    from torch._inductor.decomposition import select_decomp_table
-
-    return {op: fn for op, fn in select_decomp_table().items()
-            if op is not torch.ops.aten.embedding_dense_backward.default}
 
 
 # The instance ``torch.compile(m, backend="amp")`` resolves to through the
