@@ -176,7 +176,11 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
         patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.passes.fold_broadcast_bmm",
                                                             "fold_broadcast_bmm")
-        return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
+        def compile_(gm, ex):
+            cpu = not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in ex)
+            return compile_fx(gm, ex, config_patches={**patches, "fallback_random": cpu} if cpu else patches)
+
+        return compile_
     from torch._dynamo import lookup_backend
 
     return lookup_backend(inner)

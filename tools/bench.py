@@ -9,7 +9,10 @@ Variants (each from the same initial weights, AdamW):
   fp32-eager, fp32-inductor, autocast-eager, autocast-inductor (GradScaler under FP16),
   amp (torch.compile(backend=AmpBackend)), amp-step (make_train_step: fused update).
 Workloads: lm-explicit (decoder, matmul-softmax-matmul attention), lm-sdpa (decoder,
-scaled_dot_product_attention), encoder (nn.TransformerEncoder), cnn (conv + BatchNorm).
+scaled_dot_product_attention), encoder (nn.TransformerEncoder), encoder-dropout (the same
+at PyTorch's default dropout 0.1), cnn (conv + BatchNorm). Model code nobody here wrote,
+Hugging Face transformers built from configs of the same size (optional, not in the
+default list): hf-gpt2, hf-llama, hf-bert (GPT-2 and BERT at their default dropout 0.1).
 Metrics: median training-step and inference time over interleaved repetitions, first-call
 time (compile included, compile caches off), activation bytes saved for backward (parameters
 excluded; 16-bit weight copies count), peak memory (CUDA), floating casts in the training
@@ -45,7 +48,8 @@ from amp_compiler.device import native_dtypes, resolve_dtype
 
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
 LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
-WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "cnn")
+WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "encoder-dropout", "cnn")
+HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert")
 # dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                "A10G": 125.0, "V100": 125.0, "T4": 65.0}
@@ -95,10 +99,10 @@ class LM(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, d, layers, heads, vocab, classes=10, **_):
+    def __init__(self, d, layers, heads, vocab, classes=10, dropout=0.0, **_):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True,
                                            norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, classes)
@@ -142,15 +146,42 @@ def build(workload: str, size: dict, device: str):
         n = sum(p.numel() for n_, p in model.named_parameters() if not n_.startswith(("tok", "pos")))
         flops = 6 * n * b * t + 12 * size["layers"] * size["d"] * t * b * t
         return model, ids.to(device), targets.to(device), lm_loss, flops
-    if workload == "encoder":
-        model = Encoder(**size)
+    if workload.startswith("encoder"):  # encoder-dropout: PyTorch's default rate, 0.1
+        model = Encoder(dropout=0.1 if workload == "encoder-dropout" else 0.0, **size)
         ids = torch.randint(0, v, (b, t), generator=g)
         return model, ids.to(device), torch.randint(0, 10, (b,), generator=g).to(device), cls_loss, None
     if workload == "cnn":
         model = CNN(width=max(16, size["d"] // 16))
         x = torch.randn(2 * b, 3, 64, 64, generator=g)
         return model, x.to(device), torch.randint(0, 10, (2 * b,), generator=g).to(device), cls_loss, None
-    raise SystemExit(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+    if workload in HF_WORKLOADS:
+        model = hf_model(workload, size)
+        ids = torch.randint(0, v, (b, t), generator=g)
+        return model, ids.to(device), torch.roll(ids, -1, 1).to(device), hf_loss, None
+    raise SystemExit(f"unknown workload {workload!r}; choose from {WORKLOADS + HF_WORKLOADS}")
+
+
+def hf_model(workload: str, size: dict) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit(f"{workload} needs transformers: pip install -e '.[hf]'") from None
+    d, n, h, v, t = size["d"], size["layers"], size["heads"], size["vocab"], size["seq"]
+    torch.manual_seed(0)
+    if workload == "hf-gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=d, n_layer=n, n_head=h, vocab_size=v, n_positions=t))
+    if workload == "hf-llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=d, intermediate_size=8 * d // 3, num_hidden_layers=n, num_attention_heads=h,
+            num_key_value_heads=h, vocab_size=v, max_position_embeddings=t))
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d,
+        vocab_size=v, max_position_embeddings=t))
+
+
+def hf_loss(output, targets):
+    return lm_loss(output.logits, targets)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -302,7 +333,10 @@ def first_step(v: Variant, x, y) -> None:
 
 
 def errors_vs_fp32(base, x, y, loss_fn, variants) -> None:
-    """Loss and gradient error of each variant's first step vs FP32 eager's, same weights."""
+    """Loss and gradient error of each variant's first step vs FP32 eager's, same weights
+    (not with dropout: each run draws its own masks)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in base.modules()):
+        return
     ref = copy.deepcopy(base)
     ref_loss = loss_fn(ref(x), y)
     ref_loss.backward()
@@ -446,7 +480,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--size", choices=list(SIZES), default=None,
                    help="LM dimensions (default: cpu on CPU, gpt2-small on CUDA)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="fp32: what auto runs where 16 bit is emulated (amp on its FP32 path)")
     p.add_argument("--workloads", default=None, help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
@@ -465,13 +500,13 @@ def main(argv=None) -> int:
     workloads = a.workloads.split(",") if a.workloads else (
         ["lm-sdpa", "lm-explicit"] if a.device == "cuda" else list(WORKLOADS))
     variants = a.variants.split(",") if a.variants else list(VARIANTS)
-    for bad in set(workloads) - set(WORKLOADS) | set(variants) - set(VARIANTS):
+    for bad in set(workloads) - set(WORKLOADS + HF_WORKLOADS) | set(variants) - set(VARIANTS):
         p.error(f"unknown workload or variant {bad!r}")
     dtype, reason = resolve_dtype(a.dtype, torch.device(a.device))
     if dtype == "fp32":
         variants = [v for v in variants if v not in LOW_VARIANTS]
-        print(f"{reason}: autocast variants left out (16 bit is emulated here; pass --dtype bf16 "
-              "to time it anyway)", flush=True)
+        why = "asked for" if a.dtype == "fp32" else "16 bit is emulated here; pass --dtype bf16 to time it anyway"
+        print(f"{reason}: autocast variants left out ({why})", flush=True)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
