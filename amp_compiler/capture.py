@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils import _pytree as pytree
 
+from .fused_layers import DECOMPOSITIONS as FUSED_LAYERS
 from .hops import HopKind, outline_vmap_regions, treatment
 
 
@@ -128,7 +129,7 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
 
     inputs, fake_mode = fake_inputs(example_inputs)
     with fx_traceback.preserve_node_meta(), fake_mode:
-        aten_gm = make_fx(run, pre_dispatch=True)(*inputs)
+        aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs)
     # Tracing leaves dead nodes behind (size checks, constants built under vmap
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()

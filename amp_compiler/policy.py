@@ -60,7 +60,7 @@ LOW_OPS = frozenset({
 # FP32, normalisation and softmax: they sum over a whole row or channel and
 # divide by the result; 16-bit sums lose the small terms and the statistics.
 _FP32_NORMS = {
-    aten.softmax, aten.log_softmax, aten._softmax, aten._log_softmax,
+    aten.softmax, aten.log_softmax, aten._softmax, aten._log_softmax, aten._masked_softmax,
     aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.native_group_norm,
     aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_no_training, aten._native_batch_norm_legit_functional,
@@ -100,7 +100,8 @@ _FP32_LOSSES = {
 }
 # FP32, fused layers: nn.TransformerEncoderLayer / nn.MultiheadAttention fast
 # paths (eval + no_grad) compute LayerNorm and softmax inside in their input
-# dtype; the policy cannot split them, so the whole op stays FP32.
+# dtype. Capture writes them out (amp_compiler/fused_layers.py); the op itself
+# is left only for nested-tensor inputs, and the policy cannot split it: FP32.
 _FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
 FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_FUSED)
 
