@@ -45,7 +45,7 @@ class Step:
     grads_amp: dict = field(repr=False)
     graphs_plain: int = 0
     graphs_amp: int = 0
-    low_matmuls: int = 0
+    low_matmuls: int = 0  # matmuls/convs executed in 16 bit; -1: not recorded
     backend: AmpBackend | None = field(default=None, repr=False)
 
     @property
@@ -76,7 +76,7 @@ class Step:
             out.append(f"gradient cosine {self.cos_amp:.4f} < autocast's {self.cos_autocast:.4f} - {slack}")
         if self.graphs_amp > self.graphs_plain:
             out.append(f"{self.graphs_amp} graphs compiled, plain torch.compile needs {self.graphs_plain}")
-        if self.low_matmuls == 0:
+        if self.low_matmuls == 0:  # -1: not recorded
             out.append("no matmul/conv executed in 16 bit")
         return out
 
@@ -93,8 +93,11 @@ def _no_dropout(model: torch.nn.Module) -> None:
                 setattr(m, name, 0.0)
 
 
-def one_step(build, dtype: str = "bf16", options: dict | None = None) -> Step:
-    """Run ``build() -> (model, inputs)`` one step FP32 / autocast / amp; compare."""
+def one_step(build, dtype: str = "bf16", options: dict | None = None, inner=None) -> Step:
+    """Run ``build() -> (model, inputs)`` one step FP32 / autocast / amp; compare.
+
+    ``inner``: the amp backend's inner compiler (default: a recording aot_eager, which also
+    counts the matmuls executed in 16 bit; with another one that count is not taken)."""
     torch.manual_seed(0)
     model, inputs = build()
     _no_dropout(model)
@@ -122,10 +125,10 @@ def one_step(build, dtype: str = "bf16", options: dict | None = None) -> Step:
 
     torch._dynamo.reset()
     rec = OpRecorder()
-    backend = AmpBackend(dtype=dtype, inner=recording_backend(rec), **(options or {}))
+    backend = AmpBackend(dtype=dtype, inner=inner or recording_backend(rec), **(options or {}))
     torch.manual_seed(1)
     loss = _loss(torch.compile(model, backend=backend)(**inputs))
     loss.backward()
-    low_calls = [d for d in rec.dtypes_of(*LOW_EXEC) if d[:2] == [low, low]]
+    low_calls = len([d for d in rec.dtypes_of(*LOW_EXEC) if d[:2] == [low, low]]) if inner is None else -1
     return Step(loss_ref.item(), loss_auto.item(), loss.item(), _grads(ref), _grads(auto),
-                _grads(model), len(graphs), backend.compiled, len(low_calls), backend)
+                _grads(model), len(graphs), backend.compiled, low_calls, backend)

@@ -369,6 +369,15 @@ def test_zoo_one_training_step_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_one_training_step_through_inductor_is_faithful(name):
+    """The same check with Inductor as the inner compiler: amp's code-generation passes
+    (saved 16-bit copies, recomputed masks, folded broadcast bmm, ATen random) included."""
+    step = one_step(ZOO[name], inner="inductor")
+    assert step.problems() == [], (name, step.problems())
+
+
 EXPORT_FAST = ("bloom", "deberta_v2", "hubert_ctc", "mobilevit", "qwen3_moe")
 
 
