@@ -177,8 +177,9 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
         patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.passes.fold_broadcast_bmm",
                                                             "fold_broadcast_bmm")
         def compile_(gm, ex):
-            cpu = not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in ex)
-            return compile_fx(gm, ex, config_patches={**patches, "fallback_random": cpu} if cpu else patches)
+            # the device the dtype was resolved for (rewrite); CUDA keeps Triton's random
+            cpu = device_of(ex).type == "cpu"
+            return compile_fx(gm, ex, config_patches={**patches, "fallback_random": True} if cpu else patches)
 
         return compile_
     from torch._dynamo import lookup_backend

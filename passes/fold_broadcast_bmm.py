@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from .graph_util import tensor_val
+
 aten = torch.ops.aten
 _LOW = (torch.bfloat16, torch.float16)
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _shared_weight(node) -> torch.fx.Node | None:
@@ -29,7 +26,7 @@ def _shared_weight(node) -> torch.fx.Node | None:
             and node.target is aten.expand.default):
         return None
     w = node.args[0]
-    wv, ev = _val(w), _val(node)
+    wv, ev = tensor_val(w), tensor_val(node)
     if wv is None or ev is None or wv.dim() != 2 or ev.dim() != 3:
         return None
     return w if ev.stride(0) == 0 else None
@@ -37,7 +34,7 @@ def _shared_weight(node) -> torch.fx.Node | None:
 
 def _call(graph, target, args, kwargs=None):
     node = graph.call_function(target, args, kwargs or {})
-    vals = [(_val(a) if isinstance(a, torch.fx.Node) else a) for a in args]
+    vals = [(tensor_val(a) if isinstance(a, torch.fx.Node) else a) for a in args]
     fake = next(v for v in vals if isinstance(v, torch.Tensor)).fake_mode
     with fake:
         node.meta["val"] = target(*vals, **(kwargs or {}))
@@ -51,7 +48,7 @@ def fold_broadcast_bmm(graph: torch.fx.Graph) -> int:
         if node.op != "call_function" or node.target is not aten.bmm.default:
             continue
         x, wide = node.args
-        w, out, xv = _shared_weight(wide), _val(node), _val(x)
+        w, out, xv = _shared_weight(wide), tensor_val(node), tensor_val(x)
         if w is None or out is None or xv is None or out.device.type != "cpu" or out.dtype not in _LOW:
             continue
         b, m, k = xv.shape

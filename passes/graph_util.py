@@ -43,6 +43,20 @@ def is_tensor_node(node: object) -> bool:
     return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The (fake) tensor a node holds, or None."""
+    return node.meta["val"] if is_tensor_node(node) else None
+
+
+def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """In a joint forward+backward graph: the tangents and every node computed from one."""
+    seen = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for n in graph.nodes:
+        if n.op == "call_function" and any(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+    return seen
+
+
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Distinct input nodes that hold a single tensor, in argument order."""
     return [n for n in node.all_input_nodes if is_tensor_node(n)]

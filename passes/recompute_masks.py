@@ -19,13 +19,10 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .graph_util import tangent_dependent, tensor_val
+
 aten = torch.ops.aten
 _COMPARE = {aten.le, aten.lt, aten.ge, aten.gt, aten.eq, aten.ne}
-
-
-def _tensor(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _random(node: torch.fx.Node) -> bool:
@@ -33,18 +30,10 @@ def _random(node: torch.fx.Node) -> bool:
     return any(k in name for k in ("rand", "philox", "dropout", "bernoulli"))
 
 
-def _tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    seen = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
-    for n in graph.nodes:
-        if n.op == "call_function" and any(a in seen for a in n.all_input_nodes):
-            seen.add(n)
-    return seen
-
-
 def recompute_masks(graph: torch.fx.Graph) -> int:
     """Tag comparisons of forward values that backward reads as MUST_RECOMPUTE (the
     partitioner may place them in either half); returns how many."""
-    bwd = _tangent_dependent(graph)
+    bwd = tangent_dependent(graph)
     if not bwd:
         return 0
     done = 0
@@ -52,11 +41,11 @@ def recompute_masks(graph: torch.fx.Graph) -> int:
         if (node in bwd or node.op != "call_function"
                 or getattr(node.target, "overloadpacket", None) not in _COMPARE):
             continue
-        out = _tensor(node)
+        out = tensor_val(node)
         if out is None or out.dtype != torch.bool or out.device.type != "cpu":
             continue
-        inputs = [a for a in node.all_input_nodes if _tensor(a) is not None]
-        if not inputs or any(not _tensor(a).is_floating_point() or _random(a) for a in inputs):
+        inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
+        if not inputs or any(not tensor_val(a).is_floating_point() or _random(a) for a in inputs):
             continue
         if any(u in bwd for u in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph_util import node_dtype
+from .graph_util import node_dtype, tangent_dependent
 
 _CAST = torch.ops.prims.convert_element_type.default
 _LOW = (torch.bfloat16, torch.float16)
@@ -42,12 +42,8 @@ def _closure(node: torch.fx.Node, ops) -> list[torch.fx.Node]:
 def _backward(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The backward half of the joint graph: nodes that depend on a tangent, and nodes
     computed only for those (``-y`` in softmax's gradient needs no tangent)."""
-    nodes = list(graph.nodes)
-    seen = {n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")}
-    for n in nodes:
-        if n.op == "call_function" and any(a in seen for a in n.all_input_nodes):
-            seen.add(n)
-    for n in reversed(nodes):
+    seen = tangent_dependent(graph)
+    for n in reversed(graph.nodes):
         if n.op == "call_function" and n.users and all(u in seen for u in n.users):
             seen.add(n)
     return seen

@@ -487,7 +487,8 @@ def main(argv=None) -> int:
                    help="LM dimensions (default: cpu on CPU, gpt2-small on CUDA)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="fp32: what auto runs where 16 bit is emulated (amp on its FP32 path)")
-    p.add_argument("--workloads", default=None, help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=None, help=f"comma-separated, from {','.join(WORKLOADS)} (default: all) "
+                   f"and {','.join(HF_WORKLOADS)} (transformers)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
     p.add_argument("--steps", type=int, default=3, help="training steps per repetition")
