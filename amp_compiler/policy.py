@@ -61,6 +61,7 @@ LOW_OPS = frozenset({
 # divide by the result; 16-bit sums lose the small terms and the statistics.
 _FP32_NORMS = {
     aten.softmax, aten.log_softmax, aten._softmax, aten._log_softmax, aten._masked_softmax,
+    aten._safe_softmax,
     aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.native_group_norm,
     aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_no_training, aten._native_batch_norm_legit_functional,

@@ -105,10 +105,10 @@ def test_e2e_transformer_matmuls_bf16_softmax_norms_fp32(sdpa):
     plan = backend.plan()
     assert all(n.precision == "FP32" for n in plan.by_op("aten.layer_norm"))
     assert all(n.precision == "LOW" for n in plan.by_op("aten.linear"))
-    if sdpa:
-        assert plan.by_op("aten.scaled_dot_product_attention")[0].precision == "LOW"
-    else:
-        assert all(n.precision == "FP32" for n in plan.by_op("aten.softmax"))
+    # on CPU a short SDPA is written out (passes/decompose_attention.py): the same places
+    assert not plan.by_op("aten.scaled_dot_product_attention")
+    assert plan.by_op("aten.softmax") and all(n.precision == "FP32" for n in plan.by_op("aten.softmax"))
+    assert all(n.precision == "LOW" for n in plan.by_op("aten.matmul"))
 
 
 def test_e2e_cnn_batchnorm_conv_bf16_bn_fp32_running_stats_fp32():
@@ -457,12 +457,40 @@ def test_cpu_sdpa_with_trainable_mask_is_decomposed_so_matmuls_run_bf16():
     plan = backend.plan()
     assert not plan.by_op("aten.scaled_dot_product_attention")
     assert [n.precision for n in plan.by_op("aten.matmul")] == ["LOW", "LOW"]
-    assert plan.by_op("aten.softmax")[0].precision == "FP32"
+    assert plan.by_op("aten._safe_softmax")[0].precision == "FP32"  # masked: SDPA's zero rows
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm, aten.mm))
     assert model.bias.grad is not None and model.bias.grad.dtype == torch.float32
 
 
-def test_sdpa_without_trainable_mask_stays_fused():
+def test_cpu_sdpa_over_long_sequences_stays_fused():
+    """Past SHORT_SCORES the fused kernel is the faster one and stays, planned LOW."""
+    from amp_compiler.passes.decompose_attention import SHORT_SCORES
+
+    t = 2048
+    assert t * t > SHORT_SCORES
+    q = torch.randn(1, 1, t, 4, requires_grad=True)
     backend = AmpBackend(inner="eager")
-    torch.compile(Attention(sdpa=True), backend=backend)(torch.randn(2, 6, 32)).sum().backward()
+    f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend=backend)
+    f(q).sum().backward()
     assert [n.precision for n in backend.plan().by_op("aten.scaled_dot_product_attention")] == ["LOW"]
+    assert not backend.plan().by_op("aten.softmax")
+
+
+class AttentionLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Attention(sdpa=True)
+
+    def forward(self, x):
+        return self.block(x).square().mean()
+
+
+def test_cpu_sdpa_over_short_sequences_runs_as_bf16_matmuls():
+    """A short SDPA runs as two BF16 matmuls around an FP32 softmax, not the flash kernel."""
+    rec, backend, _ = check_against_fp32(AttentionLoss(), (torch.randn(2, 6, 32),))
+    plan = backend.plan()
+    assert not plan.by_op("aten.scaled_dot_product_attention")
+    assert [n.precision for n in plan.by_op("aten.softmax")] == ["FP32"]
+    assert len(rec.dtypes_of(aten.bmm)) >= 2
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
+    assert not rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
