@@ -186,6 +186,9 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
+        # A query that may attend nothing (left padding under a causal mask) gets zeros, as
+        # in SDPA; Softmax would give NaN, which the next layer's masked matmul spreads.
+        return torch.ops.aten._safe_softmax(scores, -1) @ v
     return torch.softmax(scores, -1) @ v
 
 

@@ -198,3 +198,25 @@ def test_cli_export_end_to_end(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "CPU provider cannot run BF16" in bad.stderr
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_export_left_padded_batch_stays_finite(tmp_path):
+    """Left padding under a causal mask leaves a padding query nothing to attend: SDPA gives
+    zeros there, and so must the export (plain Softmax gives NaN, which spreads to every row)."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    path = str(tmp_path / "padded.onnx")
+    export_onnx(model, (), path, kwargs={"input_ids": ids, "attention_mask": mask, "use_cache": False})
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(emulate_low(onnx.load(path)).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    feeds = {i.name: {"input_ids": ids, "attention_mask": mask}[i.name].numpy() for i in sess.get_inputs()}
+    out = torch.as_tensor(sess.run(None, feeds)[0])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    real = mask.bool()
+    assert (out[real] - ref[real]).abs().max() / ref[real].abs().max() < 0.05
