@@ -75,7 +75,7 @@ class AmpBackend:
                  options: dict | None = None, mode: str | None = None) -> Callable:
         opts = self.options.replace(**options) if options else self.options
         rewritten = self.rewrite(gm, example_inputs, opts)
-        return _inner_compiler(opts.inner, mode)(rewritten, list(example_inputs))
+        return _inner_compiler(opts.inner, mode, opts.memory_budget)(rewritten, list(example_inputs))
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 opts: AmpOptions | None = None) -> torch.fx.GraphModule:
@@ -155,7 +155,7 @@ def _saved_tensors_hooks_off():
     return off() if off is not None else contextlib.nullcontext()
 
 
-def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
+def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float = 1.0) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":
@@ -179,7 +179,9 @@ def _inner_compiler(inner: str | Callable, mode: str | None) -> Callable:
         def compile_(gm, ex):
             # the device the dtype was resolved for (rewrite); CUDA keeps Triton's random
             cpu = device_of(ex).type == "cpu"
-            return compile_fx(gm, ex, config_patches={**patches, "fallback_random": True} if cpu else patches)
+            # the partition into forward and backward happens inside this call
+            with torch._functorch.config.patch(activation_memory_budget=memory_budget):
+                return compile_fx(gm, ex, config_patches={**patches, "fallback_random": True} if cpu else patches)
 
         return compile_
     from torch._dynamo import lookup_backend

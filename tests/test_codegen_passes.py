@@ -37,7 +37,8 @@ def saved_dtypes_and_grads(model, x, dtype):
         return t
 
     model.zero_grad()
-    compiled = torch.compile(model, backend=AmpBackend(dtype=dtype, inner="inductor"))
+    # the speed-first partition: a memory budget below 1 may recompute the mask by itself
+    compiled = torch.compile(model, backend=AmpBackend(dtype=dtype, inner="inductor", memory_budget=1.0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compiled(x)
     out.float().pow(2).sum().backward()
@@ -176,3 +177,55 @@ def test_dropout_on_cpu_draws_eagers_masks_with_atens_kernel(no_caches):
     torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
     ours.float().sum().backward()  # the mask saved by ATen's dropout feeds backward
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+class GeluBlocks(nn.Module):
+    """Pre-LN MLP blocks on an FP32 residual stream: GELU outputs and residual sums are
+    what a memory budget recomputes instead of saving."""
+
+    def __init__(self, d=32, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def saved_bytes_and_grads(model, x, **options):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad()
+    compiled = torch.compile(model, backend=AmpBackend(inner="inductor", **options))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.pow(2).mean().backward()
+    return sum(seen.values()), [p.grad.clone() for p in model.parameters()]
+
+
+def test_memory_budget_recomputes_cheap_ops_with_the_same_gradients(no_caches):
+    torch.manual_seed(0)
+    model, x = GeluBlocks(), torch.randn(4, 64, 32)
+    speed_first, ref = saved_bytes_and_grads(model, x, memory_budget=1.0)
+    torch._dynamo.reset()
+    default, grads = saved_bytes_and_grads(model, x)
+    assert default <= 0.85 * speed_first, (default, speed_first)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "0.8", True])
+def test_memory_budget_out_of_range_is_refused(bad):
+    from amp_compiler import AmpOptionsError
+
+    with pytest.raises(AmpOptionsError, match=r"memory_budget must be a number in \(0, 1\]"):
+        AmpBackend(memory_budget=bad)
