@@ -155,7 +155,23 @@ def _saved_tensors_hooks_off():
     return off() if off is not None else contextlib.nullcontext()
 
 
-def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float = 1.0) -> Callable:
+def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
+    """The partitioner's activation memory budget for ``gm``: ``asked``, else 0.8 (recompute
+    cheap ops instead of saving them); always 1.0 for a graph that draws random numbers.
+    Below 1.0 the partitioner may recompute dropout in backward, which then draws a new
+    mask (ATen's random kernels on CPU): a silently wrong gradient (tested)."""
+    random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                 and torch.Tag.nondeterministic_seeded in n.target.tags for n in gm.graph.nodes)
+    if not random:
+        return 0.8 if asked is None else asked
+    if asked is not None and asked < 1.0:
+        log.warning("memory_budget=%s not applied to a graph with random ops (dropout): "
+                    "recomputing them in backward would draw new masks; using 1.0", asked)
+    return 1.0
+
+
+def _inner_compiler(inner: str | Callable, mode: str | None,
+                    memory_budget: float | None = 1.0) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":
@@ -180,7 +196,8 @@ def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: floa
             # the device the dtype was resolved for (rewrite); CUDA keeps Triton's random
             cpu = device_of(ex).type == "cpu"
             # the partition into forward and backward happens inside this call
-            with torch._functorch.config.patch(activation_memory_budget=memory_budget):
+            budget = memory_budget_for(gm, memory_budget)
+            with torch._functorch.config.patch(activation_memory_budget=budget):
                 return compile_fx(gm, ex, config_patches={**patches, "fallback_random": True} if cpu else patches)
 
         return compile_

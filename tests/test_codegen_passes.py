@@ -179,6 +179,26 @@ def test_dropout_on_cpu_draws_eagers_masks_with_atens_kernel(no_caches):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("budget", [0.8, 0.1])
+def test_dropout_masks_feed_backward_unchanged_under_a_memory_budget(budget, no_caches):
+    """However hard the budget squeezes, backward uses the masks forward drew (a recomputed
+    dropout would draw new ones): the gradients are eager autocast's from the same seed."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Dropped().train()
+    ref, x = copy.deepcopy(model), torch.randn(32, 16)
+    compiled = torch.compile(model, backend=AmpBackend(inner="inductor", memory_budget=budget))
+    compiled(x)
+    torch.manual_seed(7)
+    compiled(x).float().pow(2).sum().backward()
+    torch.manual_seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(x).float().pow(2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-2)
+
+
 class GeluBlocks(nn.Module):
     """Pre-LN MLP blocks on an FP32 residual stream: GELU outputs and residual sums are
     what a memory budget recomputes instead of saving."""
@@ -221,6 +241,19 @@ def test_memory_budget_recomputes_cheap_ops_with_the_same_gradients(no_caches):
     assert default <= 0.85 * speed_first, (default, speed_first)
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_budget_is_never_applied_to_a_graph_with_random_ops(caplog):
+    from amp_compiler.backend import memory_budget_for
+    from amp_compiler.capture import to_aten
+
+    blocks = to_aten(torch.fx.symbolic_trace(GeluBlocks()), [torch.randn(2, 3, 32)])[0]
+    dropped = to_aten(torch.fx.symbolic_trace(Dropped()), [torch.randn(4, 16)])[0]
+    assert memory_budget_for(blocks, None) == 0.8 and memory_budget_for(blocks, 0.3) == 0.3
+    assert memory_budget_for(dropped, None) == 1.0
+    with caplog.at_level("WARNING", logger="amp_compiler"):
+        assert memory_budget_for(dropped, 0.3) == 1.0
+    assert "would draw new masks" in caplog.text
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, "0.8", True])
