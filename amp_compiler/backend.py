@@ -12,6 +12,7 @@ import torch
 
 from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
 from amp_compiler.passes.faithful import check_gradient_flow
+from amp_compiler.passes.graph_util import draws_random
 
 from .capture import to_aten
 from .device import device_of, resolve_dtype
@@ -160,9 +161,7 @@ def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
     cheap ops instead of saving them); always 1.0 for a graph that draws random numbers.
     Below 1.0 the partitioner may recompute dropout in backward, which then draws a new
     mask (ATen's random kernels on CPU): a silently wrong gradient (tested)."""
-    random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                 and torch.Tag.nondeterministic_seeded in n.target.tags for n in gm.graph.nodes)
-    if not random:
+    if not any(draws_random(n) for n in gm.graph.nodes):
         return 0.8 if asked is None else asked
     if asked is not None and asked < 1.0:
         log.warning("memory_budget=%s not applied to a graph with random ops (dropout): "
@@ -170,8 +169,7 @@ def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
     return 1.0
 
 
-def _inner_compiler(inner: str | Callable, mode: str | None,
-                    memory_budget: float | None = 1.0) -> Callable:
+def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float | None) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":

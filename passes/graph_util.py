@@ -48,6 +48,16 @@ def tensor_val(node: object) -> torch.Tensor | None:
     return node.meta["val"] if is_tensor_node(node) else None
 
 
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether a node draws random numbers (recomputing it would draw different ones)."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+        return True
+    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", str(node.target))
+    return any(k in name for k in ("rand", "philox", "dropout", "bernoulli"))
+
+
 def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """In a joint forward+backward graph: the tangents and every node computed from one."""
     seen = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}

@@ -19,15 +19,10 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph_util import tangent_dependent, tensor_val
+from .graph_util import draws_random, tangent_dependent, tensor_val
 
 aten = torch.ops.aten
 _COMPARE = {aten.le, aten.lt, aten.ge, aten.gt, aten.eq, aten.ne}
-
-
-def _random(node: torch.fx.Node) -> bool:
-    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", str(node.target))
-    return any(k in name for k in ("rand", "philox", "dropout", "bernoulli"))
 
 
 def recompute_masks(graph: torch.fx.Graph) -> int:
@@ -45,7 +40,7 @@ def recompute_masks(graph: torch.fx.Graph) -> int:
         if out is None or out.dtype != torch.bool or out.device.type != "cpu":
             continue
         inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
-        if not inputs or any(not tensor_val(a).is_floating_point() or _random(a) for a in inputs):
+        if not inputs or any(not tensor_val(a).is_floating_point() or draws_random(a) for a in inputs):
             continue
         if any(u in bwd for u in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
