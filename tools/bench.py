@@ -14,9 +14,10 @@ at PyTorch's default dropout 0.1), cnn (conv + BatchNorm). Model code nobody her
 Hugging Face transformers built from configs of the same size (optional, not in the
 default list): hf-gpt2, hf-llama, hf-bert (GPT-2 and BERT at their default dropout 0.1).
 Metrics: median training-step and inference time over interleaved repetitions, first-call
-time (compile included, compile caches off), activation bytes saved for backward (parameters
-excluded; 16-bit weight copies count), peak memory (CUDA), floating casts in the training
-graphs Inductor compiled (forward + backward), loss and gradient error vs FP32 eager.
+time (compile included, caches off, each variant into an empty kernel cache), activation
+bytes saved for backward (parameters excluded; 16-bit weight copies count), peak memory
+(CUDA), floating casts in the training graphs Inductor compiled (forward + backward), loss
+and gradient error vs FP32 eager.
 
 These machines are shared and noisy: compare the ratios of one run, never absolute times
 across runs. Do not run beside another torch process.
@@ -363,7 +364,11 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
         with counter.installed():
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            v.result["first_call_s"] = timed(lambda: first_step(v, x, y), device)
+            # each variant compiles into an empty kernel cache, in memory and on disk: kernels
+            # an earlier variant compiled must not make a later one's first call look cheap
+            with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                                                   delete=False):
+                v.result["first_call_s"] = timed(lambda: first_step(v, x, y), device)
             v.step(x, y)
             if device == "cuda":
                 v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -518,8 +523,9 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = {"machine": machine(a.device, dtype, reason), "workloads": {}}
-    # A fresh kernel cache: compiled C++/Triton kernels of an earlier run would hide the
-    # first-call cost (the FX and AOT caches are switched off per variant as well).
+    # A fresh kernel cache for the run (each variant's first call gets its own inside it):
+    # compiled C++/Triton kernels of an earlier run would hide the first-call cost (the FX
+    # and AOT caches are switched off per variant as well).
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="amp-bench-inductor-")
     try:
