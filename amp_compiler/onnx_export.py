@@ -11,6 +11,7 @@ place only when export and checks succeeded, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -26,6 +27,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from amp_compiler.passes import PIPELINE, PassContext, run_pipeline
+from amp_compiler.passes.decompose_attention import run_op, sdpa_math, value_of
 from amp_compiler.passes.graph_util import is_inserted_cast, refresh_vals
 
 from .meta import META_KEY, NodeInfo
@@ -138,6 +140,10 @@ def _validate(dtype: str, target: str) -> None:
         )
 
 
+# SDPA written out for an inference graph (no dropout): the backend's pass records the same ops
+_SDPA_MATH = functools.partial(sdpa_math, run_op, value_of, train=False)
+
+
 def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io):
     """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit."""
     try:
@@ -149,7 +155,7 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
     if dtype != "fp32":
         # The exporter lowers SDPA to MatMul/Softmax/MatMul; decompose it first so the
         # policy sees the softmax and keeps it FP32 (ORT has no fused op for it anyway).
-        ep = ep.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: _sdpa_math})
+        ep = ep.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: _SDPA_MATH})
     fp32_bytes = sum(t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point())
     gm = ep.graph_module
     if dtype == "fp32":
@@ -171,25 +177,6 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
     _sync_output_specs(ep)
     gm.recompile()
     return ep, GraphPlan.from_graph(gm, 0, dtype, f"export for {target}"), fp32_bytes
-
-
-def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
-    """scaled_dot_product_attention as matmul -> softmax -> matmul (inference: no dropout)."""
-    if enable_gqa and k.size(-3) != q.size(-3):
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
-        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
-    scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
-    if is_causal:
-        future = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    if attn_mask is not None:
-        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                  else scores + attn_mask)
-        # A query that may attend nothing (left padding under a causal mask) gets zeros, as
-        # in SDPA; Softmax would give NaN, which the next layer's masked matmul spreads.
-        return torch.ops.aten._safe_softmax(scores, -1) @ v
-    return torch.softmax(scores, -1) @ v
 
 
 def _lifted_tensors(ep) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from .policy import Policy
 
 DTYPES = ("bf16", "fp16", "fp32", "auto")
 INNER_NAMES = ("inductor", "aot_eager", "eager")
+ATTENTION = ("auto", "fused", "explicit")
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
@@ -52,6 +53,14 @@ class AmpOptions:
         interleaved, native-BF16 CPU: LMs, Llama, encoder, CNN). A graph with
         random ops (dropout) always gets 1.0: below it the partitioner may
         recompute dropout in backward with a new mask.
+    attention: how ``scaled_dot_product_attention`` runs in a 16-bit plan. "auto"
+        (default): on CPU a short one (batch x heads x queries x keys <= 3M) is
+        written out as matmul -> FP32 softmax -> matmul, faster there than the
+        fused kernel (measured on a native-BF16 CPU); others stay fused. "fused":
+        every one stays fused. "explicit": every one with static shapes is
+        written out, on any device (memory grows with the square of the
+        sequence). Either way a trainable float mask on CPU is written out:
+        the fused kernel cannot give its gradient.
     dump_dir: write the graph after every pass to this directory.
     policy_file: a calibrated policy (``amp_compiler.policy_file``): its pins and
         overrides join these options; options given explicitly beside it win.
@@ -68,6 +77,7 @@ class AmpOptions:
     strict: bool = False
     low_precision_outputs: bool = False
     memory_budget: float | None = None
+    attention: str = "auto"
     dump_dir: str | None = None
     policy_file: str | None = None
     policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -116,6 +126,9 @@ class AmpOptions:
                 raise AmpOptionsError(f"memory_budget must be a number in (0, 1] (1.0: save what "
                                       f"the fastest partition saves) or None, got {budget!r}")
             object.__setattr__(self, "memory_budget", float(budget))
+        if self.attention not in ATTENTION:
+            raise AmpOptionsError(f"attention={self.attention!r} is not valid; use one of {ATTENTION} "
+                                  "(auto: written out where measured faster)")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # fail now, not at the first compile

@@ -21,6 +21,11 @@ FP32). With a mask the softmax is ``_safe_softmax``: a fully masked row gives
 zeros, as the fused op does, not NaN. Grouped-query attention repeats the key
 and value heads as ``enable_gqa`` does. Runs before tagging; skips nodes with
 symbolic shapes (rule 2) or head sizes (rule 1).
+
+The ``attention`` option overrides rule 2, whose crossover was measured on one
+CPU kind: "fused" keeps every SDPA fused, "explicit" writes out every one with
+static shapes, on any device. Rule 1 holds under both (with a trainable mask
+PyTorch itself falls back to the FP32 math form).
 """
 
 from __future__ import annotations
@@ -59,22 +64,24 @@ def _static(*shapes) -> bool:
     return all(isinstance(d, int) for shape in shapes for d in shape)
 
 
-def _rule(node: torch.fx.Node, low: torch.dtype) -> tuple[str, dict] | None:
-    """(rule, arguments) when ``node`` is a CPU SDPA to decompose, else None."""
+def _rule(node: torch.fx.Node, low: torch.dtype, attention: str) -> tuple[str, dict] | None:
+    """(rule, arguments) when ``node`` is an SDPA to decompose, else None."""
     if node.op != "call_function" or node.target is not SDPA:
         return None
     a = dict(zip(_ARGS, node.args)) | dict(node.kwargs)
     q, k = a["query"].meta.get("val"), a["key"].meta.get("val")
     mask = a.get("attn_mask")
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
-    if q is None or k is None or q.device.type != "cpu" or not _static(q.shape[-1:]):
+    if q is None or k is None or not _static(q.shape[-1:]):
         return None
-    if (torch.is_grad_enabled() and mask_val is not None and mask_val.is_floating_point()
-            and _from_parameter(mask)):
+    if (q.device.type == "cpu" and torch.is_grad_enabled() and mask_val is not None
+            and mask_val.is_floating_point() and _from_parameter(mask)):
         return "trainable_mask", a
-    if low == torch.float32 or not _static(q.shape, k.shape):
+    if low == torch.float32 or attention == "fused" or not _static(q.shape, k.shape):
         return None
-    if math.prod(q.shape[:-1]) * k.shape[-2] <= SHORT_SCORES:
+    if attention == "explicit":
+        return "asked", a
+    if q.device.type == "cpu" and math.prod(q.shape[:-1]) * k.shape[-2] <= SHORT_SCORES:
         return "short_sequence", a
     return None
 
@@ -84,7 +91,7 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     graph = gm.graph
     why: dict[str, int] = {}
     for node in list(graph.nodes):
-        found = _rule(node, ctx.low_dtype)
+        found = _rule(node, ctx.low_dtype, ctx.options.attention)
         if found is None:
             continue
         rule, a = found
@@ -101,43 +108,66 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     return PassResult(bool(why), {"decomposed": why} if why else {})
 
 
-def _explicit(graph: torch.fx.Graph, a: dict) -> torch.fx.Node:
-    """matmul -> scale -> masks -> softmax -> dropout -> matmul, SDPA's semantics."""
-    call = graph.call_function
-    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
-    qv, kv = q.meta["val"], k.meta["val"]
-    if a.get("enable_gqa", False) and kv.shape[-3] != qv.shape[-3]:
-        k, v = (_repeat_heads(graph, t, qv.shape[-3] // kv.shape[-3]) for t in (k, v))
-    scale = a.get("scale")
+def sdpa_math(call, val, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, *, train=True):
+    """``scaled_dot_product_attention``'s semantics as matmul -> scale -> (causal mask) ->
+    (+ mask) -> softmax -> (dropout) -> matmul, in ATen ops.
+
+    One definition for both users: this pass records the ops as FX nodes, the ONNX
+    export runs them on tensors as its SDPA decomposition. ``call(op, *args, **kwargs)``
+    runs or records an op; ``val(x)`` gives a tensor (or a node's fake value) for shapes,
+    dtype and device. With a mask the softmax is ``_safe_softmax``: a query that may attend
+    nothing gets zeros, as from the fused op; plain softmax gives NaN (left padding under
+    a causal mask), which the next layer's masked matmul spreads to every row.
+    """
+    qv, kv = val(q), val(k)
+    if enable_gqa and kv.shape[-3] != qv.shape[-3]:
+        k, v = (_repeat_heads(call, val, t, qv.shape[-3] // kv.shape[-3]) for t in (k, v))
     scale = qv.shape[-1] ** -0.5 if scale is None else scale
-    scores = call(aten.matmul.default, (q, call(aten.transpose.int, (k, -2, -1))))
-    scores = call(aten.mul.Tensor, (scores, scale))
-    if a.get("is_causal", False):
-        ones = call(aten.ones.default, ([qv.shape[-2], kv.shape[-2]],),
-                    {"dtype": torch.bool, "device": qv.device})
-        scores = call(aten.masked_fill.Scalar, (scores, call(aten.triu.default, (ones, 1)),
-                                                float("-inf")))
-    if mask is not None:
-        if mask.meta["val"].dtype == torch.bool:
-            scores = call(aten.masked_fill.Scalar, (scores, call(aten.logical_not.default, (mask,)),
-                                                    float("-inf")))
+    scores = call(aten.mul.Tensor, call(aten.matmul.default, q, call(aten.transpose.int, k, -2, -1)),
+                  scale)
+    if is_causal:
+        ones = call(aten.ones.default, [qv.shape[-2], kv.shape[-2]], dtype=torch.bool,
+                    device=qv.device)
+        scores = call(aten.masked_fill.Scalar, scores, call(aten.triu.default, ones, 1), float("-inf"))
+    if attn_mask is not None:
+        if val(attn_mask).dtype == torch.bool:
+            scores = call(aten.masked_fill.Scalar, scores, call(aten.logical_not.default, attn_mask),
+                          float("-inf"))
         else:
-            scores = call(aten.add.Tensor, (scores, mask))
-        weights = call(aten._safe_softmax.default, (scores, -1))
+            scores = call(aten.add.Tensor, scores, attn_mask)
+        weights = call(aten._safe_softmax.default, scores, -1)
     else:
-        weights = call(aten.softmax.int, (scores, -1))
-    if a.get("dropout_p", 0.0):
-        weights = call(aten.dropout.default, (weights, a["dropout_p"], True))
-    return call(aten.matmul.default, (weights, v))
+        weights = call(aten.softmax.int, scores, -1)
+    if dropout_p and train:
+        weights = call(aten.dropout.default, weights, dropout_p, True)
+    return call(aten.matmul.default, weights, v)
 
 
-def _repeat_heads(graph: torch.fx.Graph, node: torch.fx.Node, times: int) -> torch.fx.Node:
+def run_op(op, *args, **kwargs):
+    """``sdpa_math``'s ``call`` on tensors."""
+    return op(*args, **kwargs)
+
+
+def value_of(x):
+    """``sdpa_math``'s ``val`` for tensors and FX nodes."""
+    return x.meta["val"] if isinstance(x, torch.fx.Node) else x
+
+
+def _explicit(graph: torch.fx.Graph, a: dict) -> torch.fx.Node:
+    def record(op, *args, **kwargs):
+        return graph.call_function(op, args, kwargs)
+
+    rest = {name: a[name] for name in _ARGS[3:] if name in a}
+    return sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest)
+
+
+def _repeat_heads(call, val, x, times: int):
     """(..., H, L, E) -> (..., H * times, L, E), each head repeated in place (repeat_interleave)."""
-    shape = list(node.meta["val"].shape)
-    wide = shape[:-2] + [times] + shape[-2:]
-    call = graph.call_function
-    out = call(aten.expand.default, (call(aten.unsqueeze.default, (node, -3)), wide))
-    return call(aten.reshape.default, (out, shape[:-3] + [shape[-3] * times] + shape[-2:]))
+    shape = list(val(x).shape)
+    wide = call(aten.expand.default, call(aten.unsqueeze.default, x, -3),
+                shape[:-2] + [times] + shape[-2:])
+    return call(aten.reshape.default, wide, shape[:-3] + [shape[-3] * times] + shape[-2:])
 
 
 def _copy_meta(old: torch.fx.Node, last: torch.fx.Node) -> None:

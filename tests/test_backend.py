@@ -206,6 +206,7 @@ def test_backend_options_through_torch_compile():
     ({"fp32_ops": ["aten.nothing"]}, r"no ATen op named 'aten.nothing'"),
     ({"fp32_modules": ["("]}, r"fp32_modules pattern '\(' is not a regex"),
     ({"strict": "yes"}, r"strict must be True or False"),
+    ({"attention": "flash"}, r"attention='flash' is not valid; use one of \('auto', 'fused', 'explicit'\)"),
 ])
 def test_options_bad_name_or_value_is_a_clear_error(options, match):
     with pytest.raises(AmpOptionsError, match=match):
@@ -460,6 +461,17 @@ def test_cpu_sdpa_with_trainable_mask_is_decomposed_so_matmuls_run_bf16():
     assert plan.by_op("aten._safe_softmax")[0].precision == "FP32"  # masked: SDPA's zero rows
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm, aten.mm))
     assert model.bias.grad is not None and model.bias.grad.dtype == torch.float32
+
+
+def test_trainable_mask_is_written_out_under_attention_fused_too():
+    """attention="fused" cannot keep an SDPA whose mask needs a gradient fused: PyTorch would
+    run its FP32 math form under a LOW plan."""
+    backend = AmpBackend(inner="eager", attention="fused")
+    model = BiasedAttention()
+    torch.compile(model, backend=backend)(torch.randn(2, 6, 16)).backward()
+    record = next(r for r in backend.records[0].passes if r.name == "decompose_attention")
+    assert record.detail == {"decomposed": {"trainable_mask": 1}}
+    assert model.bias.grad is not None
 
 
 def test_cpu_sdpa_over_long_sequences_stays_fused():

@@ -321,23 +321,47 @@ def _sdpa_cases():
     }
 
 
+def _decomposed(fn, inputs, **options):
+    """(pass detail, graph) of decompose_attention on ``fn`` traced as ATen."""
+    from amp_compiler.capture import to_aten
+    from amp_compiler.passes import decompose_attention
+
+    gm, fake_mode, _ = to_aten(torch.fx.symbolic_trace(fn), inputs)
+    opts = AmpBackend(**options).options
+    result = decompose_attention(gm, PassContext(policy=opts.policy(bf16), options=opts,
+                                                 fake_mode=fake_mode))
+    return result.detail, gm
+
+
+def test_attention_option_overrides_the_measured_rule():
+    """"fused" keeps a short SDPA that "auto" writes out; "explicit" writes out a long one that
+    "auto" keeps."""
+    from amp_compiler.passes.decompose_attention import SHORT_SCORES
+
+    def sdpa(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    short, long = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 2048, 4)
+    assert 2048 * 2048 > SHORT_SCORES
+    assert _decomposed(sdpa, [short])[0] == {"decomposed": {"short_sequence": 1}}
+    detail, gm = _decomposed(sdpa, [short], attention="fused")
+    assert detail == {} and nodes_of(gm, aten.scaled_dot_product_attention)
+    assert _decomposed(sdpa, [long])[0] == {}
+    detail, gm = _decomposed(sdpa, [long], attention="explicit")
+    assert detail == {"decomposed": {"asked": 1}} and not nodes_of(gm, aten.scaled_dot_product_attention)
+
+
 @pytest.mark.parametrize("case", list(_sdpa_cases()))
 def test_decomposed_attention_matches_the_fused_op(case):
     """The written-out attention (run in FP32 here) gives SDPA's values and gradients,
     fully masked rows (zeros, not NaN) and grouped-query heads included."""
-    from amp_compiler.capture import to_aten
-    from amp_compiler.passes import decompose_attention
-
     (q, k, v), kw = _sdpa_cases()[case]
 
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
-    gm, fake_mode, _ = to_aten(torch.fx.symbolic_trace(fn), [q, k, v])
-    opts = AmpBackend().options
-    result = decompose_attention(gm, PassContext(policy=opts.policy(bf16), options=opts,
-                                                 fake_mode=fake_mode))
-    assert result.detail == {"decomposed": {"short_sequence": 1}}
+    detail, gm = _decomposed(fn, [q, k, v])
+    assert detail == {"decomposed": {"short_sequence": 1}}
     assert not nodes_of(gm, aten.scaled_dot_product_attention)
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
