@@ -103,6 +103,25 @@ def test_fp16_scaling_hooks_leave_true_gradients_and_skip_on_inf():
     assert logs["amp_loss_scale"] == 2.0**15 and logs["amp_skipped_steps"] == 1
 
 
+def test_fp16_dropped_steps_do_not_advance_the_trainers_lr_schedule(tmp_path):
+    """A loss scale far too large overflows the first steps, which amp drops; the Trainer's
+    linear decay advances only on the steps that ran (as under the Trainer's own fp16),
+    so the logged learning rates are the schedule at (steps taken - steps dropped)."""
+    cb = AmpCallback(config={"fp16": {"enabled": True, "initial_scale_power": 20, "hysteresis": 1}},
+                     inner="aot_eager")
+    trainer = transformers.Trainer(
+        model=gpt2(), args=args(tmp_path, max_steps=6, learning_rate=1e-3, lr_scheduler_type="linear"),
+        train_dataset=Ids(n=24), callbacks=[cb])
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    skipped = [h["amp_skipped_steps"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert 0 < cb.skipped_steps < 6, cb.skipped_steps
+    # the Trainer logs the rate of each optimizer step (before its scheduler step): linear
+    # decay from 1e-3 over 6 steps, advanced once per step before this one that ran
+    advanced = [step - (skipped[step - 1] if step else 0) for step in range(len(lrs))]
+    assert lrs == pytest.approx([1e-3 * (1 - k / 6) for k in advanced]), (lrs, skipped)
+
+
 def _trainer_worker(rank, port, out_dir, results):
     import os
 

@@ -14,8 +14,8 @@ forward returns multiplies the gradient entering backward by the scale, a hook o
 parameter divides it out as it is accumulated (so the Trainer's clipping and its
 optimizer see true gradients), and before the optimizer step (after clipping) one
 finite check decides: Inf/NaN drops this step's gradients (the optimizer leaves those
-parameters and their state untouched) and backs the scale off. Under BF16 nothing is
-scaled. The Trainer's own ``bf16=True`` / ``fp16=True`` (its autocast on top of our
+parameters and their state untouched), backs the scale off and holds the Trainer's LR
+scheduler for that step, as the Trainer's own fp16 does. Under BF16 nothing is scaled. The Trainer's own ``bf16=True`` / ``fp16=True`` (its autocast on top of our
 casts) and ``torch_compile=True`` (a second compile) are refused when the Trainer is
 built, naming the flag.
 """
@@ -91,7 +91,8 @@ class AmpCallback(TrainerCallback):
             model.forward = forward
         log.info("AmpCallback: %s (%s)", self.dtype, self.reason)
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None,
+                              lr_scheduler=None, **kwargs):
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -101,8 +102,12 @@ class AmpCallback(TrainerCallback):
             self.skipped_steps += 1
             for p in model.parameters():
                 p.grad = None
+            _hold_once(lr_scheduler)
         self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler,
                              dtype=self.dtype)
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        _release(lr_scheduler)  # a hold the Trainer did not use (a scheduler it steps on metrics)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.backend is None:
@@ -145,3 +150,22 @@ class AmpCallback(TrainerCallback):
             return out
 
         return run
+
+
+def _hold_once(scheduler) -> None:
+    """The next ``scheduler.step()`` does nothing. The Trainer steps its LR scheduler after
+    every optimizer step Accelerate did not see skipped, and Accelerate sees only its own
+    scaler: without this, each step amp dropped would still advance the schedule (warm-up
+    and decay shifted by the number of dropped steps), unlike the Trainer's own fp16."""
+    if scheduler is None or "step" in vars(scheduler):
+        return
+
+    def held(*args, **kwargs):
+        _release(scheduler)
+
+    scheduler.step = held
+
+
+def _release(scheduler) -> None:
+    if scheduler is not None and "step" in vars(scheduler):
+        del scheduler.step
