@@ -49,12 +49,19 @@ def tensor_val(node: object) -> torch.Tensor | None:
 
 
 def draws_random(node: torch.fx.Node) -> bool:
-    """Whether a node draws random numbers (recomputing it would draw different ones)."""
+    """Whether a node draws random numbers (recomputing it would draw different ones).
+    Dropout at p=0 or outside training is an identity (``nn.TransformerEncoderLayer``'s
+    default-argument dropout(0.0) calls): no."""
     if node.op != "call_function":
         return False
+    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", str(node.target))
+    if "dropout" in name:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
+        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
+        if p == 0 or train is False:
+            return False
     if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
         return True
-    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", str(node.target))
     return any(k in name for k in ("rand", "philox", "dropout", "bernoulli"))
 
 

@@ -254,6 +254,12 @@ def test_memory_budget_is_never_applied_to_a_graph_with_random_ops(caplog):
     with caplog.at_level("WARNING", logger="amp_compiler"):
         assert memory_budget_for(dropped, 0.3) == 1.0
     assert "would draw new masks" in caplog.text
+    # dropout(0.0) (nn.TransformerEncoderLayer(dropout=0.0) still calls it) draws nothing
+    idle = Dropped()
+    idle.drop.p = 0.0
+    idle = to_aten(torch.fx.symbolic_trace(idle), [torch.randn(4, 16)])[0]
+    assert any(n.target is torch.ops.aten.dropout.default for n in idle.graph.nodes)
+    assert memory_budget_for(idle, None) == 0.8
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, "0.8", True])
