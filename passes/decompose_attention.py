@@ -96,7 +96,7 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
             continue
         rule, a = found
         with graph.inserting_before(node):
-            out = _explicit(graph, a)
+            out = _in_layout(graph, _explicit(graph, a), node.meta["val"])
         _copy_meta(node, out)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
@@ -160,6 +160,21 @@ def _explicit(graph: torch.fx.Graph, a: dict) -> torch.fx.Node:
 
     rest = {name: a[name] for name in _ARGS[3:] if name in a}
     return sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest)
+
+
+def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:
+    """``out`` (contiguous) laid out in memory as ``like``, the fused op's output. The CPU
+    kernel writes (batch, queries, heads, dim), and the program was traced against that:
+    nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` recorded no copy, only the
+    view, which fails on a contiguous (batch, heads, queries, dim) result."""
+    if like.is_contiguous():
+        return out
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
+    back = sorted(range(like.dim()), key=order.__getitem__)
+    call = graph.call_function
+    dense = call(aten.clone.default, (call(aten.permute.default, (out, order)),),
+                 {"memory_format": torch.contiguous_format})
+    return call(aten.permute.default, (dense, back))
 
 
 def _repeat_heads(call, val, x, times: int):

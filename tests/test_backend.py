@@ -463,6 +463,31 @@ def test_cpu_sdpa_with_trainable_mask_is_decomposed_so_matmuls_run_bf16():
     assert model.bias.grad is not None and model.bias.grad.dtype == torch.float32
 
 
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's attention: its output goes through ``.contiguous().view()``, which the trace
+    records as a bare view because the fused op's output is laid out for it."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.c_attn, self.c_proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)).square().mean()
+
+
+def test_written_out_attention_keeps_the_fused_ops_memory_layout():
+    """The explicit form is returned in the fused op's layout, so a view the program took of
+    the fused output still holds (a compile error on nanoGPT before)."""
+    rec, backend, _ = check_against_fp32(NanoGPTAttention(), (torch.randn(2, 8, 32),))
+    assert not backend.plan().by_op("aten.scaled_dot_product_attention")
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
+    assert len(rec.dtypes_of(aten.bmm)) >= 2
+
+
 def test_trainable_mask_is_written_out_under_attention_fused_too():
     """attention="fused" cannot keep an SDPA whose mask needs a gradient fused: PyTorch would
     run its FP32 math form under a LOW plan."""
