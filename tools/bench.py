@@ -30,7 +30,6 @@ import contextlib
 import copy
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -408,7 +407,8 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
     errors_vs_fp32(base, x, y, loss_fn, vs)
     ref = {v.name: v.result["step_ms"] for v in vs}
     for v in vs:
-        v.result["vs_fp32_eager"] = ref.get("fp32-eager", math.nan) / v.result["step_ms"]
+        if "fp32-eager" in ref:
+            v.result["vs_fp32_eager"] = ref["fp32-eager"] / v.result["step_ms"]
         if "autocast-inductor" in ref:
             v.result["vs_autocast_inductor"] = v.result["step_ms"] / ref["autocast-inductor"]
     return {"size": size, "flops_per_step": flops, "variants": {v.name: v.result for v in vs}}
@@ -437,7 +437,7 @@ COLUMNS = ("step ms", "vs fp32 eager", "vs autocast+inductor", "infer ms", "save
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
     for name, r in workload["variants"].items():
-        out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x",
+        out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x" if "vs_fp32_eager" in r else "-",
                     f"{r['vs_autocast_inductor']:.2f}" if "vs_autocast_inductor" in r else "-",
                     f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
                     f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
