@@ -11,7 +11,6 @@ place only when export and checks succeeded, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import io
 import logging
@@ -27,7 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from amp_compiler.passes import PIPELINE, PassContext, run_pipeline
-from amp_compiler.passes.decompose_attention import run_op, sdpa_math, value_of
+from amp_compiler.passes.decompose_attention import write_out_all
 from amp_compiler.passes.graph_util import is_inserted_cast, refresh_vals
 
 from .meta import META_KEY, NodeInfo
@@ -140,10 +139,6 @@ def _validate(dtype: str, target: str) -> None:
         )
 
 
-# SDPA written out for an inference graph (no dropout): the backend's pass records the same ops
-_SDPA_MATH = functools.partial(sdpa_math, run_op, value_of, train=False)
-
-
 def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io):
     """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit."""
     try:
@@ -153,9 +148,12 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
                 if "Cache" in str(e) else "")
         raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}{hint}") from e
     if dtype != "fp32":
-        # The exporter lowers SDPA to MatMul/Softmax/MatMul; decompose it first so the
-        # policy sees the softmax and keeps it FP32 (ORT has no fused op for it anyway).
-        ep = ep.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: _SDPA_MATH})
+        # The exporter lowers SDPA to MatMul/Softmax/MatMul; write it out first (as the
+        # backend's pass does, in the fused op's memory layout, which views after it may
+        # rely on) so the policy sees the softmax and keeps it FP32. The retrace also
+        # canonicalises ops (split -> split_with_sizes) for the exporter.
+        write_out_all(ep.graph_module)
+        ep = ep.run_decompositions({})
     fp32_bytes = sum(t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point())
     gm = ep.graph_module
     if dtype == "fp32":

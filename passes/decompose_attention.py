@@ -95,11 +95,7 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
         if found is None:
             continue
         rule, a = found
-        with graph.inserting_before(node):
-            out = _in_layout(graph, _explicit(graph, a), node.meta["val"])
-        _copy_meta(node, out)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _write_out(graph, node, a)
         why[rule] = why.get(rule, 0) + 1
     if why:
         refresh_vals(gm, ctx.fake_mode)
@@ -108,15 +104,38 @@ def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     return PassResult(bool(why), {"decomposed": why} if why else {})
 
 
+def write_out_all(gm: torch.fx.GraphModule) -> int:
+    """Every SDPA of an inference graph written out (the ONNX export: ORT has no fused op for
+    it, and the policy must see the softmax to keep it FP32); returns how many. The graph's
+    values are stale after it: retrace it (``ExportedProgram.run_decompositions``)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
+    for node in nodes:
+        _write_out(gm.graph, node, dict(zip(_ARGS, node.args)) | dict(node.kwargs), train=False)
+    if nodes:
+        gm.graph.lint()
+        gm.recompile()
+    return len(nodes)
+
+
+def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, a: dict, *, train: bool = True) -> None:
+    with graph.inserting_before(node):
+        record = lambda op, *args, **kwargs: graph.call_function(op, args, kwargs)  # noqa: E731
+        rest = {name: a[name] for name in _ARGS[3:] if name in a}
+        out = sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest, train=train)
+        out = _in_layout(graph, out, node.meta["val"])
+    _copy_meta(node, out)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
 def sdpa_math(call, val, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False, *, train=True):
     """``scaled_dot_product_attention``'s semantics as matmul -> scale -> (causal mask) ->
     (+ mask) -> softmax -> (dropout) -> matmul, in ATen ops.
 
-    One definition for both users: this pass records the ops as FX nodes, the ONNX
-    export runs them on tensors as its SDPA decomposition. ``call(op, *args, **kwargs)``
-    runs or records an op; ``val(x)`` gives a tensor (or a node's fake value) for shapes,
-    dtype and device. With a mask the softmax is ``_safe_softmax``: a query that may attend
+    Used by this pass and, through ``write_out_all``, by the ONNX export. ``call(op, *args,
+    **kwargs)`` records an op; ``val(x)`` gives a node's fake value (shapes, dtype, device).
+    With a mask the softmax is ``_safe_softmax``: a query that may attend
     nothing gets zeros, as from the fused op; plain softmax gives NaN (left padding under
     a causal mask), which the next layer's masked matmul spreads to every row.
     """
@@ -144,22 +163,9 @@ def sdpa_math(call, val, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
     return call(aten.matmul.default, weights, v)
 
 
-def run_op(op, *args, **kwargs):
-    """``sdpa_math``'s ``call`` on tensors."""
-    return op(*args, **kwargs)
-
-
 def value_of(x):
     """``sdpa_math``'s ``val`` for tensors and FX nodes."""
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
-
-
-def _explicit(graph: torch.fx.Graph, a: dict) -> torch.fx.Node:
-    def record(op, *args, **kwargs):
-        return graph.call_function(op, args, kwargs)
-
-    rest = {name: a[name] for name in _ARGS[3:] if name in a}
-    return sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest)
 
 
 def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:

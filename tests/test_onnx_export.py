@@ -143,6 +143,28 @@ def test_export_fp16_for_cpu_runs_on_ort_cpu(tmp_path):
     assert report.parity["vs_fp32_max_rel"] < 0.01
 
 
+def test_export_keeps_the_layout_a_view_after_attention_relies_on(tmp_path):
+    """nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` after SDPA: the export's
+    written-out attention keeps the fused op's memory layout (the retrace failed before)."""
+    class NanoAttention(torch.nn.Module):
+        def __init__(self, d=32, heads=4):
+            super().__init__()
+            self.heads, self.qkv, self.proj = heads, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).split(c, dim=2)
+            q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+    path = str(tmp_path / "nano.onnx")
+    report = export_onnx(NanoAttention(), (torch.randn(2, 8, 32),), path, dtype="fp16", target="cpu")
+    assert report.parity["vs_fp32_max_rel"] < 0.01
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert "Softmax" in ops and "MatMul" in ops
+
+
 def test_export_failure_leaves_nothing(tmp_path):
     """A parity check that fails (tolerance 0) raises and leaves no file behind."""
     with pytest.raises(ExportError, match="differs from the FP32 model"):
