@@ -122,7 +122,7 @@ def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, a: dict, *, train: bo
         record = lambda op, *args, **kwargs: graph.call_function(op, args, kwargs)  # noqa: E731
         rest = {name: a[name] for name in _ARGS[3:] if name in a}
         out = sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest, train=train)
-        out = _in_layout(graph, out, node.meta["val"])
+        out = _in_layout(graph, out, node.meta.get("val"))
     _copy_meta(node, out)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -168,12 +168,12 @@ def value_of(x):
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
-def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:
+def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor | None) -> torch.fx.Node:
     """``out`` (contiguous) laid out in memory as ``like``, the fused op's output. The CPU
     kernel writes (batch, queries, heads, dim), and the program was traced against that:
     nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` recorded no copy, only the
     view, which fails on a contiguous (batch, heads, queries, dim) result."""
-    if like.is_contiguous():
+    if not isinstance(like, torch.Tensor) or like.is_contiguous():
         return out
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
     back = sorted(range(like.dim()), key=order.__getitem__)
