@@ -68,7 +68,7 @@ def _rule(node: torch.fx.Node, low: torch.dtype, attention: str) -> tuple[str, d
     """(rule, arguments) when ``node`` is an SDPA to decompose, else None."""
     if node.op != "call_function" or node.target is not SDPA:
         return None
-    a = dict(zip(_ARGS, node.args)) | dict(node.kwargs)
+    a = _arguments(node)
     q, k = a["query"].meta.get("val"), a["key"].meta.get("val")
     mask = a.get("attn_mask")
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
@@ -87,7 +87,7 @@ def _rule(node: torch.fx.Node, low: torch.dtype, attention: str) -> tuple[str, d
 
 
 def decompose_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Rewrite CPU SDPA into its math form where a rule applies (see module docstring)."""
+    """Rewrite SDPA into its math form where a rule applies (see module docstring)."""
     graph = gm.graph
     why: dict[str, int] = {}
     for node in list(graph.nodes):
@@ -110,47 +110,48 @@ def write_out_all(gm: torch.fx.GraphModule) -> int:
     values are stale after it: retrace it (``ExportedProgram.run_decompositions``)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
     for node in nodes:
-        _write_out(gm.graph, node, dict(zip(_ARGS, node.args)) | dict(node.kwargs), train=False)
+        _write_out(gm.graph, node, _arguments(node), train=False)
     if nodes:
         gm.graph.lint()
         gm.recompile()
     return len(nodes)
 
 
+def _arguments(node: torch.fx.Node) -> dict:
+    return dict(zip(_ARGS, node.args)) | dict(node.kwargs)
+
+
 def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, a: dict, *, train: bool = True) -> None:
+    """Replace SDPA ``node`` by its math form, laid out in memory as the fused output was."""
+    def call(op, *args, **kwargs):
+        return graph.call_function(op, args, kwargs)
+
     with graph.inserting_before(node):
-        record = lambda op, *args, **kwargs: graph.call_function(op, args, kwargs)  # noqa: E731
-        rest = {name: a[name] for name in _ARGS[3:] if name in a}
-        out = sdpa_math(record, value_of, a["query"], a["key"], a["value"], **rest, train=train)
-        out = _in_layout(graph, out, node.meta.get("val"))
+        out = _in_layout(call, _math(call, **a, train=train), node.meta.get("val"))
     _copy_meta(node, out)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 
 
-def sdpa_math(call, val, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, train=True):
-    """``scaled_dot_product_attention``'s semantics as matmul -> scale -> (causal mask) ->
-    (+ mask) -> softmax -> (dropout) -> matmul, in ATen ops.
-
-    Used by this pass and, through ``write_out_all``, by the ONNX export. ``call(op, *args,
-    **kwargs)`` records an op; ``val(x)`` gives a node's fake value (shapes, dtype, device).
-    With a mask the softmax is ``_safe_softmax``: a query that may attend
-    nothing gets zeros, as from the fused op; plain softmax gives NaN (left padding under
-    a causal mask), which the next layer's masked matmul spreads to every row.
-    """
-    qv, kv = val(q), val(k)
+def _math(call, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False, *, train):
+    """SDPA's semantics as matmul -> scale -> (causal mask) -> (+ mask) -> softmax ->
+    (dropout) -> matmul, recorded by ``call(op, *args, **kwargs)``. With a mask the softmax
+    is ``_safe_softmax``: a query that may attend nothing gets zeros, as from the fused op;
+    plain softmax gives NaN (left padding under a causal mask), which the next layer's
+    masked matmul spreads to every row."""
+    qv, kv = query.meta["val"], key.meta["val"]
     if enable_gqa and kv.shape[-3] != qv.shape[-3]:
-        k, v = (_repeat_heads(call, val, t, qv.shape[-3] // kv.shape[-3]) for t in (k, v))
+        key, value = (_repeat_heads(call, t, qv.shape[-3] // kv.shape[-3]) for t in (key, value))
     scale = qv.shape[-1] ** -0.5 if scale is None else scale
-    scores = call(aten.mul.Tensor, call(aten.matmul.default, q, call(aten.transpose.int, k, -2, -1)),
-                  scale)
+    scores = call(aten.mul.Tensor,
+                  call(aten.matmul.default, query, call(aten.transpose.int, key, -2, -1)), scale)
     if is_causal:
         ones = call(aten.ones.default, [qv.shape[-2], kv.shape[-2]], dtype=torch.bool,
                     device=qv.device)
         scores = call(aten.masked_fill.Scalar, scores, call(aten.triu.default, ones, 1), float("-inf"))
     if attn_mask is not None:
-        if val(attn_mask).dtype == torch.bool:
+        if attn_mask.meta["val"].dtype == torch.bool:
             scores = call(aten.masked_fill.Scalar, scores, call(aten.logical_not.default, attn_mask),
                           float("-inf"))
         else:
@@ -160,15 +161,10 @@ def sdpa_math(call, val, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
         weights = call(aten.softmax.int, scores, -1)
     if dropout_p and train:
         weights = call(aten.dropout.default, weights, dropout_p, True)
-    return call(aten.matmul.default, weights, v)
+    return call(aten.matmul.default, weights, value)
 
 
-def value_of(x):
-    """``sdpa_math``'s ``val`` for tensors and FX nodes."""
-    return x.meta["val"] if isinstance(x, torch.fx.Node) else x
-
-
-def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor | None) -> torch.fx.Node:
+def _in_layout(call, out: torch.fx.Node, like: torch.Tensor | None) -> torch.fx.Node:
     """``out`` (contiguous) laid out in memory as ``like``, the fused op's output. The CPU
     kernel writes (batch, queries, heads, dim), and the program was traced against that:
     nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` recorded no copy, only the
@@ -177,15 +173,14 @@ def _in_layout(graph: torch.fx.Graph, out: torch.fx.Node, like: torch.Tensor | N
         return out
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
     back = sorted(range(like.dim()), key=order.__getitem__)
-    call = graph.call_function
-    dense = call(aten.clone.default, (call(aten.permute.default, (out, order)),),
-                 {"memory_format": torch.contiguous_format})
-    return call(aten.permute.default, (dense, back))
+    dense = call(aten.clone.default, call(aten.permute.default, out, order),
+                 memory_format=torch.contiguous_format)
+    return call(aten.permute.default, dense, back)
 
 
-def _repeat_heads(call, val, x, times: int):
+def _repeat_heads(call, x: torch.fx.Node, times: int) -> torch.fx.Node:
     """(..., H, L, E) -> (..., H * times, L, E), each head repeated in place (repeat_interleave)."""
-    shape = list(val(x).shape)
+    shape = list(x.meta["val"].shape)
     wide = call(aten.expand.default, call(aten.unsqueeze.default, x, -3),
                 shape[:-2] + [times] + shape[-2:])
     return call(aten.reshape.default, wide, shape[:-3] + [shape[-3] * times] + shape[-2:])

@@ -15,9 +15,10 @@ parameter divides it out as it is accumulated (so the Trainer's clipping and its
 optimizer see true gradients), and before the optimizer step (after clipping) one
 finite check decides: Inf/NaN drops this step's gradients (the optimizer leaves those
 parameters and their state untouched), backs the scale off and holds the Trainer's LR
-scheduler for that step, as the Trainer's own fp16 does. Under BF16 nothing is scaled. The Trainer's own ``bf16=True`` / ``fp16=True`` (its autocast on top of our
-casts) and ``torch_compile=True`` (a second compile) are refused when the Trainer is
-built, naming the flag.
+scheduler for that step, as the Trainer's own fp16 does. Under BF16 nothing is scaled.
+The Trainer's own ``bf16=True`` / ``fp16=True`` (its autocast on top of our casts) and
+``torch_compile=True`` (a second compile) are refused when the Trainer is built, naming
+the flag.
 """
 
 from __future__ import annotations
