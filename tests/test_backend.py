@@ -531,3 +531,17 @@ def test_cpu_sdpa_over_short_sequences_runs_as_bf16_matmuls():
     assert len(rec.dtypes_of(aten.bmm)) >= 2
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
     assert not rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
+
+def test_attention_explicit_runs_a_long_sdpa_as_bf16_matmuls():
+    """attention="explicit" writes out an SDPA that "auto" keeps fused (2048^2 scores): the
+    matmuls that execute are BF16 and the flash kernel does not run."""
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec), attention="explicit")
+    q = torch.randn(1, 1, 2048, 4, requires_grad=True)
+    f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend=backend)
+    f(q).sum().backward()
+    assert not backend.plan().by_op("aten.scaled_dot_product_attention")
+    assert len(rec.dtypes_of(aten.bmm)) >= 2
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
+    assert not rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
+    assert torch.isfinite(q.grad).all()
