@@ -4,7 +4,7 @@ FP32 master weights (the optimizer updates the FP32 parameters; the model
 computes through the amp backend's casts), loss scaling for FP16 (none for
 BF16), the allow/deny lists (the backend's policy). Each call runs:
 
-    forward (compiled, amp) -> loss in FP32 -> scaled backward
+    forward and loss (compiled together, amp) -> loss in FP32 -> scaled backward
     -> [every grad_accum calls] unscale -> finite check -> optional clipping
     -> optimizer step on the FP32 master parameters, or a skip
     -> scale update -> scheduler step (only if the optimizer stepped)
@@ -17,6 +17,12 @@ skip is decided on the device) followed by the scale update, and the one host
 synchronisation per optimizer step reads skipped / scale before / scale after
 together; accumulation micro-steps synchronise nothing. Other optimizers run
 their own ``step()`` behind GradScaler's finite check.
+
+The loss is compiled into the model's graph (``compile_loss=True``, a plain model):
+Inductor then fuses the cast of the 16-bit logits, log-softmax, the loss and their
+backward, so the FP32 logits, their log-probabilities and their gradient (each
+tokens x vocabulary x 4 bytes) are never written out. A loss Dynamo cannot trace
+graph-breaks and runs as written; the model's forward stays compiled either way.
 """
 
 from __future__ import annotations
@@ -61,12 +67,15 @@ class TrainStep:
     """
 
     def __init__(self, model, optimizer, loss_fn, *, dtype, dtype_reason, scaler, monitor,
-                 max_grad_norm, grad_accum, lr_scheduler, backend, fused=None):
+                 max_grad_norm, grad_accum, lr_scheduler, backend, fused=None, compile_loss=True):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
         self.scaler, self.monitor, self.backend = scaler, monitor, backend
         self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
         self.compiled = _compile(model, backend)
+        # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
+        joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
+        self._forward_loss = torch.compile(_forward_loss, backend=backend) if joint else None
         self.micro_step = 0
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
@@ -82,12 +91,7 @@ class TrainStep:
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
         self._batch = inputs
-        if isinstance(inputs, dict):
-            output = self.compiled(**inputs)
-        elif isinstance(inputs, tuple):
-            output = self.compiled(*inputs)
-        else:
-            output = self.compiled(inputs)
+        loss = self.loss(inputs, *targets)
         if self.plan_fingerprint is None:
             if self.backend.compiled == 0:
                 raise RuntimeError(
@@ -95,7 +99,7 @@ class TrainStep:
                     "(Dynamo could not see inside it). Compile the modules it cannot see into "
                     "yourself, or report the model; amp will not train it in FP32 in silence.")
             self.plan_fingerprint = check_same_plan(self.backend.plan())
-        loss = self.loss_fn(output, *targets).float()
+        loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
@@ -105,6 +109,13 @@ class TrainStep:
             return self._fused_step(loss.detach())
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self._optimizer_step(loss.detach(), scale)
+
+    def loss(self, inputs: Any, *targets: Any) -> torch.Tensor:
+        """The loss of a batch as the step computes it (the same compiled program), without
+        backward or update: e.g. a validation loss under the training plan."""
+        if self._forward_loss is not None:
+            return self._forward_loss(self.compiled, self.loss_fn, inputs, targets)
+        return self.loss_fn(_forward(self.compiled, inputs), *targets)
 
     def _fused_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale, check, clip, update (or skip) and the scale update all on the device;
@@ -226,7 +237,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     max_grad_norm: float | None = None, grad_accum: int | None = None,
                     lr_scheduler=None, compile_options: dict | None = None,
                     fused_update: bool | None = None, config=None,
-                    ddp_comm_dtype: str | None = None) -> TrainStep:
+                    ddp_comm_dtype: str | None = None, compile_loss: bool = True) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
     ``dtype``: "auto" (the default: what the device runs fast: BF16, else FP16 with loss
@@ -241,6 +252,9 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     True requires it, False always uses ``optimizer.step()``.
     ``ddp_comm_dtype``: "bf16"/"fp16" all-reduces a DDP model's gradients in 16 bit
     (PyTorch's compress hooks; ``step.comm`` counts the bytes); the update stays FP32.
+    ``compile_loss``: True (default) compiles ``loss_fn`` into the model's graph (planned
+    like the model: the loss runs in FP32); False runs it as written on the compiled
+    model's output. DDP and FSDP2 models always run it as written.
     """
     _check_master_weights(model)
     cfg = AmpConfig.load(config)
@@ -272,9 +286,24 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     step = TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
                      monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                      lr_scheduler=lr_scheduler, backend=backend,
-                     fused=_fused_update(optimizer, max_grad_norm, fused_update))
+                     fused=_fused_update(optimizer, max_grad_norm, fused_update),
+                     compile_loss=compile_loss)
     step.comm = comm
     return step
+
+
+def _forward(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _forward_loss(model, loss_fn, inputs, targets):
+    # ``model`` is the compiled module: Dynamo inlines it here, and should this frame
+    # ever run as written (a recompile limit), its call still runs amp's graph.
+    return loss_fn(_forward(model, inputs), *targets)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ def module_path(node: torch.fx.Node) -> list[str]:
     """Dotted module paths of the node's nn_module_stack, outermost first.
 
     Dynamo spells them as sources ("L['self'].layers[0]._modules['attn']");
-    users write "layers.0.attn".
+    users write "layers.0.attn" (also through a compiled module's ``_orig_mod``).
     """
     stack = node.meta.get("nn_module_stack") or {}
     paths = []
@@ -50,6 +50,8 @@ def module_path(node: torch.fx.Node) -> list[str]:
         src = _MODULE_KEY.sub("", src)
         src = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", src)
         src = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", src)
+        # a compiled module (torch.compile's wrapper) reached from a compiled frame
+        src = re.sub(r"(^|\.)_orig_mod(?=\.|$)", "", src)
         src = src.strip(".")
         if src and src not in paths:
             paths.append(src)

@@ -455,3 +455,83 @@ def test_alert_names_the_first_inf_node_and_suggests_a_pin():
     event = events[-1]
     assert event.suggested_pin is not None and "first Inf/NaN at node" in event.message
     assert list(event.suggested_pin.values())[0][0] in (r"^big$", r"^inp$")
+
+
+# ---- the loss compiled into the model's graph -------------------------------------------
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, shift=None):
+        h = self.body(self.emb(ids))
+        return self.head(h if shift is None else h + shift)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _recording(ops: list):
+    """An inner compiler that keeps (op, output dtype) of every graph handed to it."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def inner(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                val = n.meta.get("val")
+                ops.append((str(n.target), val.dtype if isinstance(val, torch.Tensor) else None))
+        return aot_eager(gm, example_inputs)
+    return inner
+
+
+def _lm_steps(compile_loss, loss_fn=lm_loss, inputs=lambda ids: ids, n=3):
+    torch.manual_seed(0)
+    model, ops = TinyLM(), []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = make_train_step(model, opt, loss_fn, dtype="bf16", compile_loss=compile_loss,
+                           compile_options={"inner": _recording(ops)})
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 8), generator=g)
+    losses = [step(inputs(ids), torch.roll(ids, -1, 1)).loss.item() for _ in range(n)]
+    return losses, ops, step, model
+
+
+def test_loss_reaches_the_code_generator_in_fp32_with_the_model():
+    losses, ops, step, _ = _lm_steps(compile_loss=True)
+    assert step.backend.compiled == 1  # one graph: model and loss
+    low = {op for op, dt in ops if dt == torch.bfloat16}
+    assert any("addmm" in op or "linear" in op or "mm" in op for op in low)
+    loss_ops = [(op, dt) for op, dt in ops if "log_softmax" in op or "nll_loss" in op or "cross_entropy" in op]
+    assert loss_ops and all(dt == torch.float32 for _, dt in loss_ops)
+    plan = step.backend.plan()
+    assert any(n.precision == "FP32" and n.reason.startswith("loss") for n in plan.nodes)
+
+    eager_losses, eager_ops, _, _ = _lm_steps(compile_loss=False)
+    assert not any("log_softmax" in op or "nll_loss" in op or "cross_entropy" in op for op, _ in eager_ops)
+    assert losses == pytest.approx(eager_losses, rel=1e-3)
+
+
+def test_compiled_loss_keeps_keyword_inputs_graph_breaks_and_module_pins():
+    def noisy_loss(logits, targets):  # a loss Dynamo cannot trace whole
+        torch._dynamo.graph_break()
+        return lm_loss(logits, targets)
+
+    inputs = lambda ids: {"ids": ids, "shift": torch.zeros(16)}
+    joint, _, step, _ = _lm_steps(True, noisy_loss, inputs)
+    plain, _, _, _ = _lm_steps(False, noisy_loss, inputs)
+    assert joint == pytest.approx(plain, rel=1e-3)
+    assert step.backend.plan().nodes  # the model's part stayed planned
+
+    # module paths seen from the joint frame are the model's own ("body.0", not "_orig_mod.body.0")
+    torch.manual_seed(0)
+    model = TinyLM()
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16",
+                           compile_options={**INNER, "fp32_modules": [r"^body\.0$"]})
+    ids = torch.randint(0, 64, (2, 8))
+    step(ids, ids)
+    linears = {n.module: n.precision for n in step.backend.plan().nodes if "linear" in n.op}
+    assert linears == {"body.0": "FP32", "head": "LOW"}

@@ -224,6 +224,7 @@ class Variant:
     compiled: bool = False
     backend: AmpBackend | None = None
     train_step: object = None  # amp-step: the TrainStep
+    loss: object = None  # callable(inputs, targets) -> loss, the way the step computes it
     casts: int = 0
     first: dict = field(default_factory=dict)  # loss and gradients of the first step
     result: dict = field(default_factory=dict)
@@ -251,7 +252,7 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
             finally:
                 ts.fused = fused
 
-        return Variant(name, model, ts.compiled, train, False, True, ts.backend, ts)
+        return Variant(name, model, ts.compiled, train, False, True, ts.backend, ts, loss=ts.loss)
     backend = None
     if name in ("fp32-inductor", "autocast-inductor"):
         fwd = torch.compile(model)
@@ -285,7 +286,11 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
         with autocast():
             return fwd(x)
 
-    return Variant(name, model, forward, step, low, fwd is not model, backend)
+    def loss(x, y):
+        with autocast():
+            return loss_fn(fwd(x), y)
+
+    return Variant(name, model, forward, step, low, fwd is not model, backend, loss=loss)
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -321,9 +326,9 @@ def saved_bytes(run, params, then=lambda result: result) -> int:
     return sum(seen.values())
 
 
-def saved_activation_bytes(v: Variant, x, y, loss_fn) -> int:
-    """Bytes saved for backward by one forward and loss of a variant."""
-    n = saved_bytes(lambda: loss_fn(v.forward(x), y), v.model.parameters())
+def saved_activation_bytes(v: Variant, x, y) -> int:
+    """Bytes saved for backward by one forward and loss of a variant, computed as its step does."""
+    n = saved_bytes(lambda: v.loss(x, y), v.model.parameters())
     v.model.zero_grad(set_to_none=True)
     return n
 
@@ -371,7 +376,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
             v.step(x, y)
             if device == "cuda":
                 v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
-            v.result["saved_bytes"] = saved_activation_bytes(v, x, y, loss_fn)
+            v.result["saved_bytes"] = saved_activation_bytes(v, x, y)
             counter.current = None  # casts are counted in the training graphs only
             with torch.no_grad():
                 v.forward(x), v.forward(x)  # compile the inference graph, warm up
