@@ -67,6 +67,9 @@ class AmpBackend:
             self.options = AmpOptions.from_mapping(options, **kwargs)
         self.records: list[CompileRecord] = []
         self.compiled = 0  # graphs compiled so far, records dropped or not
+        # (dtype, why), set by whoever resolved "auto" for us (the training step, agreed by
+        # all ranks): the plan then states that reason, not "dtype=... requested"
+        self.decided: tuple[str, str] | None = None
         self.pipeline = PIPELINE
 
     def __repr__(self) -> str:
@@ -82,7 +85,10 @@ class AmpBackend:
                 opts: AmpOptions | None = None) -> torch.fx.GraphModule:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
-        dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
+        if self.decided is not None and self.decided[0] == opts.dtype:
+            dtype, reason = self.decided
+        else:
+            dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs))
         # A user's saved-tensor hooks (activation offloading, e.g. save_on_cpu) wrap the
         # compiled call at run time; they must not see the fake tensors we trace with.
         with _saved_tensors_hooks_off():

@@ -19,15 +19,16 @@ together; accumulation micro-steps synchronise nothing. Other optimizers run
 their own ``step()`` behind GradScaler's finite check.
 
 The loss is compiled into the model's graph (``compile_loss=True``, a plain model):
-Inductor then fuses the cast of the 16-bit logits, log-softmax, the loss and their
-backward, so the FP32 logits, their log-probabilities and their gradient (each
-tokens x vocabulary x 4 bytes) are never written out. A loss Dynamo cannot trace
-graph-breaks and runs as written; the model's forward stays compiled either way.
+Inductor then fuses the cast of the 16-bit logits into log-softmax, the loss and
+their backward, instead of eager kernels writing FP32 logits, log-probabilities and
+their gradient (each tokens x vocabulary x 4 bytes) one after the other. A loss
+Dynamo cannot trace graph-breaks and runs as written; the forward stays compiled.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ class TrainStep:
         self.compiled = _compile(model, backend)
         # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
         joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
-        self._forward_loss = torch.compile(_forward_loss, backend=backend) if joint else None
+        self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
         self.micro_step = 0
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
@@ -282,6 +283,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if monitor is None:
         monitor = NonFiniteMonitor()
     backend = AmpBackend(options, dtype=choice)
+    backend.decided = (choice, reason)
     comm = install_comm_hook(model, ddp_comm_dtype) if ddp_comm_dtype else None
     step = TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
                      monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
@@ -304,6 +306,13 @@ def _forward_loss(model, loss_fn, inputs, targets):
     # ``model`` is the compiled module: Dynamo inlines it here, and should this frame
     # ever run as written (a recompile limit), its call still runs amp's graph.
     return loss_fn(_forward(model, inputs), *targets)
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled code per code object and
+    recompiles for each new backend: shared, the eighth training step built in a process
+    would hit the recompile limit and run its loss as written."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import math
 import pickle
 
 import pytest
@@ -333,7 +334,9 @@ def test_auto_dtype_trains_fp32_without_scaler_where_16_bit_is_emulated(monkeypa
         opt.step()
         assert r.scale == 1.0 and not r.skipped
         assert abs(r.loss.item() - loss.item()) <= 1e-5 * abs(loss.item())
-    assert not step.backend.plan().graphs[0].applied
+    graph = step.backend.plan().graphs[0]
+    assert not graph.applied
+    assert "fake: emulated 16 bit" in graph.dtype_reason  # the step's reason, not "requested"
 
 
 def test_checkpoint_resume_reproduces_uninterrupted_run():
@@ -535,3 +538,56 @@ def test_compiled_loss_keeps_keyword_inputs_graph_breaks_and_module_pins():
     step(ids, ids)
     linears = {n.module: n.precision for n in step.backend.plan().nodes if "linear" in n.op}
     assert linears == {"body.0": "FP32", "head": "LOW"}
+
+
+def _sequence_logp(logits, ids):
+    logp = torch.log_softmax(logits.float(), -1)
+    return logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).sum(-1)
+
+
+LOSSES = {
+    "ce-ignore-smooth": lambda lo, t: F.cross_entropy(
+        lo.flatten(0, 1), torch.where(t.flatten() % 5 == 0, -100, t.flatten()), label_smoothing=0.1),
+    "bce-logits": lambda lo, t: F.binary_cross_entropy_with_logits(lo, F.one_hot(t, 64).float()),
+    "kl-div": lambda lo, t: F.kl_div(torch.log_softmax(lo, -1), F.one_hot(t, 64).float() * 0.9 + 0.1 / 64,
+                                     reduction="batchmean"),
+    "masked-mse": lambda lo, t: ((lo.softmax(-1) - F.one_hot(t, 64)) ** 2 * (t > 3).unsqueeze(-1)).sum()
+                                / (t > 3).sum(),
+    # DPO's shape: a sigmoid of differences of sequence log-probabilities of two halves
+    "dpo-like": lambda lo, t: -F.logsigmoid(0.1 * (_sequence_logp(lo[:2], t[:2])
+                                                   - _sequence_logp(lo[2:], t[2:]))).mean(),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_compiled_loss_trains_as_the_loss_run_as_written(loss, dtype):
+    """Property: compiling a loss into the graph changes where it runs, not what it computes."""
+    runs = {}
+    for compile_loss in (True, False):
+        torch.manual_seed(0)
+        model = TinyLM()
+        step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), LOSSES[loss],
+                               dtype=dtype, compile_loss=compile_loss, compile_options=INNER)
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+        losses = [step(ids, torch.roll(ids, -1, 1)).loss.item() for _ in range(3)]
+        runs[compile_loss] = losses, [p.detach().clone() for p in model.parameters()]
+        plan = step.backend.plan()
+        assert not any(g.unknown_ops for g in plan.graphs), [g.unknown_ops for g in plan.graphs]
+    (joint, pj), (plain, pp) = runs[True], runs[False]
+    assert all(math.isfinite(v) for v in joint)
+    assert joint == pytest.approx(plain, rel=2e-3, abs=1e-4)
+    for a, b in zip(pj, pp):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_every_training_step_in_a_process_keeps_its_loss_compiled():
+    """Each step compiles with a backend of its own: one shared frame would exhaust Dynamo's
+    recompile limit at the ninth step and run the loss as written from then on."""
+    ids = torch.randint(0, 64, (2, 8))
+    for _ in range(torch._dynamo.config.recompile_limit + 1):
+        model = TinyLM()
+        step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss,
+                               dtype="bf16", compile_options=INNER)
+        step(ids, ids)
+    assert any(n.reason.startswith("loss") for n in step.backend.plan().nodes)

@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -532,7 +533,8 @@ def main(argv=None) -> int:
     # compiled C++/Triton kernels of an earlier run would hide the first-call cost (the FX
     # and AOT caches are switched off per variant as well).
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="amp-bench-inductor-")
+    run_cache = tempfile.mkdtemp(prefix="amp-bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = run_cache
     try:
         for w in workloads:
             results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
@@ -543,6 +545,7 @@ def main(argv=None) -> int:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        shutil.rmtree(run_cache, ignore_errors=True)  # loaded kernels stay mapped; the files go
     print(markdown(results))
     if a.plot:
         plot(results, a.plot)
