@@ -69,3 +69,10 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     bench.main(["--table", str(out)])
     table = capsys.readouterr().out
     assert "| amp-step |" in table and "python" in table
+
+
+def test_paired_ratio_cancels_drift_between_repetitions():
+    # the machine slows down 3x in the second repetition: both variants feel it
+    ours, theirs = [90.0, 270.0, 95.0], [100.0, 300.0, 100.0]
+    assert bench.paired_ratio(ours, theirs) == pytest.approx(0.9)
+    assert bench.paired_ratio(theirs, theirs) == 1.0

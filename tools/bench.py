@@ -436,15 +436,24 @@ def machine(device: str, dtype: str, reason: str) -> dict:
 
 # ----------------------------------------------------------------------------- output
 
-COLUMNS = ("step ms", "vs fp32 eager", "vs autocast+inductor", "infer ms", "saved MiB",
+COLUMNS = ("step ms", "vs fp32 eager", "vs autocast+inductor", "paired", "infer ms", "saved MiB",
            "first call s", "casts", "grad cos")
+
+
+def paired_ratio(samples: list[float], base: list[float]) -> float:
+    """Median over repetitions of a variant's step time over the baseline's in the same
+    repetition: each repetition runs every variant back to back, so a shared machine's
+    drift between repetitions cancels (the ratio of medians does not cancel it)."""
+    return statistics.median(s / b for s, b in zip(samples, base))
 
 
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
+    base = workload["variants"].get("autocast-inductor", {}).get("step_ms_samples")
     for name, r in workload["variants"].items():
+        paired = f"{paired_ratio(r['step_ms_samples'], base):.2f}" if base else "-"
         out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x" if "vs_fp32_eager" in r else "-",
-                    f"{r['vs_autocast_inductor']:.2f}" if "vs_autocast_inductor" in r else "-",
+                    f"{r['vs_autocast_inductor']:.2f}" if "vs_autocast_inductor" in r else "-", paired,
                     f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
                     f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
                     f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-")
@@ -458,7 +467,8 @@ def markdown(results: dict) -> str:
     lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_kind']}, {m['threads']} threads)"
              + (f", {m['gpu']}" if "gpu" in m else "") + f", torch {m['torch']}, dtype {m['dtype']}"
              f" ({m['dtype_reason']}); `{m['command']}`. Medians of interleaved repetitions; "
-             "`vs autocast+inductor` is the step-time ratio (below 1 is faster).", ""]
+             "`vs autocast+inductor` is the ratio of median step times (below 1 is faster); `paired` the "
+             "median of the ratios within each repetition, which a busy machine moves less.", ""]
     for name, w in results["workloads"].items():
         extra = ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
         head = ("variant",) + COLUMNS + extra
