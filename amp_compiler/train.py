@@ -185,8 +185,7 @@ class TrainStep:
         if self._offending is None:
             return event
         batch = self._offending
-        args, kwargs = ((), batch) if isinstance(batch, dict) else (
-            (batch if isinstance(batch, tuple) else (batch,)), {})
+        args, kwargs = _arguments(batch)
         # the training step's own options (every override and pin), without its graph dumps
         run = _run(self.model, args, kwargs, self.dtype, self.backend.options.replace(dump_dir=None))
         bad = run.first_nonfinite
@@ -294,12 +293,16 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return step
 
 
-def _forward(model, inputs):
+def _arguments(inputs) -> tuple[tuple, dict]:
+    """A batch as the model's (args, kwargs): a dict is keywords, a tuple is splatted."""
     if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+        return (), inputs
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+
+
+def _forward(model, inputs):
+    args, kwargs = _arguments(inputs)
+    return model(*args, **kwargs)
 
 
 def _forward_loss(model, loss_fn, inputs, targets):

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 import amp_compiler
 from amp_compiler import (LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step)
+from conftest import OpRecorder, recording_backend
 
 INNER = {"inner": "aot_eager"}
+aten = torch.ops.aten
 
 
 def mlp(seed=0):
@@ -478,43 +480,35 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _recording(ops: list):
-    """An inner compiler that keeps (op, output dtype) of every graph handed to it."""
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def inner(gm, example_inputs):
-        for n in gm.graph.nodes:
-            if n.op == "call_function":
-                val = n.meta.get("val")
-                ops.append((str(n.target), val.dtype if isinstance(val, torch.Tensor) else None))
-        return aot_eager(gm, example_inputs)
-    return inner
+LOSS_OPS = (aten._log_softmax, aten._log_softmax_backward_data, aten.nll_loss_forward,
+            aten.nll_loss_backward)
 
 
 def _lm_steps(compile_loss, loss_fn=lm_loss, inputs=lambda ids: ids, n=3):
+    """n steps of TinyLM; ``rec`` saw every op the compiled graphs executed."""
     torch.manual_seed(0)
-    model, ops = TinyLM(), []
+    model, rec = TinyLM(), OpRecorder()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = make_train_step(model, opt, loss_fn, dtype="bf16", compile_loss=compile_loss,
-                           compile_options={"inner": _recording(ops)})
+                           compile_options={"inner": recording_backend(rec)})
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (4, 8), generator=g)
     losses = [step(inputs(ids), torch.roll(ids, -1, 1)).loss.item() for _ in range(n)]
-    return losses, ops, step, model
+    return losses, rec, step, model
 
 
 def test_loss_reaches_the_code_generator_in_fp32_with_the_model():
-    losses, ops, step, _ = _lm_steps(compile_loss=True)
+    losses, rec, step, _ = _lm_steps(compile_loss=True)
     assert step.backend.compiled == 1  # one graph: model and loss
-    low = {op for op, dt in ops if dt == torch.bfloat16}
-    assert any("addmm" in op or "linear" in op or "mm" in op for op in low)
-    loss_ops = [(op, dt) for op, dt in ops if "log_softmax" in op or "nll_loss" in op or "cross_entropy" in op]
-    assert loss_ops and all(dt == torch.float32 for _, dt in loss_ops)
+    matmuls = rec.dtypes_of(aten.addmm, aten.mm)
+    assert matmuls and all(d[:2] == [torch.bfloat16] * 2 for d in matmuls)
+    loss_ops = rec.dtypes_of(*LOSS_OPS)
+    assert loss_ops and all(d and set(d) == {torch.float32} for d in loss_ops)
     plan = step.backend.plan()
     assert any(n.precision == "FP32" and n.reason.startswith("loss") for n in plan.nodes)
 
-    eager_losses, eager_ops, _, _ = _lm_steps(compile_loss=False)
-    assert not any("log_softmax" in op or "nll_loss" in op or "cross_entropy" in op for op, _ in eager_ops)
+    eager_losses, eager_rec, _, _ = _lm_steps(compile_loss=False)
+    assert not eager_rec.dtypes_of(*LOSS_OPS)  # the loss ran outside the compiled graphs
     assert losses == pytest.approx(eager_losses, rel=1e-3)
 
 

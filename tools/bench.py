@@ -265,9 +265,12 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler(device) if low and dtype == "fp16" else None
 
-    def step(x, y, grab=None):
+    def loss_of(x, y):
         with autocast():
-            loss = loss_fn(fwd(x), y)
+            return loss_fn(fwd(x), y)
+
+    def step(x, y, grab=None):
+        loss = loss_of(x, y)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -287,11 +290,7 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
         with autocast():
             return fwd(x)
 
-    def loss(x, y):
-        with autocast():
-            return loss_fn(fwd(x), y)
-
-    return Variant(name, model, forward, step, low, fwd is not model, backend, loss=loss)
+    return Variant(name, model, forward, step, low, fwd is not model, backend, loss=loss_of)
 
 
 # ----------------------------------------------------------------------------- measurements
