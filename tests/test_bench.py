@@ -55,15 +55,15 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     assert bench.main(["--size", "tiny", "--workloads", "lm-explicit", "--variants",
-                       "fp32-eager,amp,amp-step", "--reps", "2", "--steps", "1",
+                       "fp32-eager,amp-step", "--reps", "2", "--steps", "1",
                        "--json", str(out), "--plot", str(png)]) == 0
     results = json.loads(out.read_text())
     runs = results["workloads"]["lm-explicit"]["variants"]
-    assert set(runs) == {"fp32-eager", "amp", "amp-step"}
+    assert set(runs) == {"fp32-eager", "amp-step"}
     for name, r in runs.items():
         assert r["step_ms"] > 0 and len(r["step_ms_samples"]) == 2 and r["first_call_s"] > 0
         assert r["saved_bytes"] > 0 and r["grad_cos"] > 0.99
-    assert runs["amp"]["casts"] > 0 and runs["amp"]["plan"]["nodes"]["LOW"] > 0
+    assert runs["amp-step"]["casts"] > 0 and runs["amp-step"]["plan"]["nodes"]["LOW"] > 0
     assert results["machine"]["cpu_kind"] and png.stat().st_size > 1000
     capsys.readouterr()
     bench.main(["--table", str(out)])

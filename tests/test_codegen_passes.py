@@ -268,3 +268,50 @@ def test_memory_budget_out_of_range_is_refused(bad):
 
     with pytest.raises(AmpOptionsError, match=r"memory_budget must be a number in \(0, 1\]"):
         AmpBackend(memory_budget=bad)
+
+
+class PreNormBlock(nn.Module):
+    """A transformer layer's shape: two residual adds of 16-bit outputs, each after a LayerNorm."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix, self.up, self.down = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.mix(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class ResidualStack(nn.Module):
+    def __init__(self, layers: int, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.blocks = nn.Sequential(*(PreNormBlock(d) for _ in range(layers)))
+        self.out = nn.LayerNorm(d)
+
+    def forward(self, ids):
+        return self.out(self.blocks(self.emb(ids)))
+
+
+def distinct_kernels(layers: int, realize_reads: int, monkeypatch) -> int:
+    from torch._inductor.utils import run_and_get_code
+
+    import amp_compiler.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "REALIZE_READS", realize_reads)
+    torch._dynamo.reset()
+    compiled = torch.compile(ResidualStack(layers), backend=AmpBackend(dtype="bf16", inner="inductor"))
+    with torch.no_grad():
+        _, code = run_and_get_code(compiled, torch.randint(0, 64, (2, 8)))
+    return sum(c.count("async_compile.cpp_pybinding") for c in code)
+
+
+def test_kernels_do_not_grow_with_depth(monkeypatch, no_caches):
+    """Every layer runs the same C++ kernels (compiled once), however deep the stack: the
+    residual stream is stored once per layer, not re-added from its 16-bit terms inside
+    each LayerNorm. Control: at Inductor's own threshold the count grows with depth."""
+    from amp_compiler.backend import REALIZE_READS
+
+    assert distinct_kernels(2, REALIZE_READS, monkeypatch) == distinct_kernels(5, REALIZE_READS, monkeypatch)
+    assert distinct_kernels(5, 4, monkeypatch) > distinct_kernels(2, 4, monkeypatch)
