@@ -367,11 +367,11 @@ def warm_up(workload, dtype, device, variants) -> None:
     base, x, y, loss_fn, _ = build(workload, SIZES["tiny"], device)
     base.to(device)
     for name in variants:
-        if name in ("fp32-eager", "autocast-eager"):
-            continue
         torch._dynamo.reset()
-        with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"), delete=False):
-            make_variant(name, base, loss_fn, dtype, device).step(x, y)
+        v = make_variant(name, base, loss_fn, dtype, device)
+        if v.compiled:
+            with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"), delete=False):
+                v.step(x, y)
 
 
 def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> dict:
