@@ -144,7 +144,18 @@ def run_cli(*args):
                           timeout=600)
 
 
-def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path):
+def run_here(capsys, *args):
+    """A further command in this process (start-up and imports are most of its time):
+    (exit code, stdout, stderr)."""
+    from amp_compiler.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path, capsys):
     fixture = str(tmp_path / "cancel.py")
     with open(fixture, "w") as f:
         f.write("import sys\nsys.path.insert(0, %r)\nfrom test_calibrate import Cancelling, batches\n"
@@ -155,11 +166,12 @@ def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "diff" in r.stdout and "error before" in r.stdout
     assert json.loads(out.read_text())["pins"]
-    r = run_cli("inspect", f"{fixture}:make", "--policy-file", str(out), "--format", "json")
-    assert r.returncode == 0, r.stderr
-    reasons = [n["reason"] for n in json.loads(r.stdout)["nodes"] if n["module"] == "diff.a"]
+    code, stdout, err = run_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(out),
+                                 "--format", "json")
+    assert code == 0, err
+    reasons = [n["reason"] for n in json.loads(stdout)["nodes"] if n["module"] == "diff.a"]
     assert any("policy file" in x for x in reasons)
-    r = run_cli("calibrate", f"{fixture}:make", "-o", str(tmp_path / "no" / "p.json"))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    r = run_cli("inspect", f"{fixture}:make", "--policy-file", str(tmp_path / "missing.json"))
-    assert r.returncode == 2 and "not found" in r.stderr
+    code, _, err = run_here(capsys, "calibrate", f"{fixture}:make", "-o", str(tmp_path / "no" / "p.json"))
+    assert code == 2 and err.count("\n") == 1, err
+    code, _, err = run_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(tmp_path / "missing.json"))
+    assert code == 2 and "not found" in err

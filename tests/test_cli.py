@@ -1,4 +1,5 @@
-"""The CLI, driven as a user would: a subprocess per command."""
+"""The CLI, driven as a user would: a subprocess per command (a test's further commands may
+run in-process, ``ok_here``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def ok(*args):
     return res.stdout
 
 
+def ok_here(capsys, *args):
+    """A further command in this process, once a subprocess has shown the entry point works:
+    interpreter start-up and imports are most of a small command's time."""
+    from amp_compiler.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    return out
+
+
 def test_cli_inspect_table_lists_nodes_and_summary():
     out = ok("inspect", f"{MODELS}:tiny", "--nodes")
     assert "aten.softmax.int" in out and "FP32" in out and "LOW" in out
@@ -36,7 +49,7 @@ def test_cli_inspect_table_lists_nodes_and_summary():
     assert "casts inserted:" in out and "bytes cast per step:" in out and "unknown ops: none" in out
 
 
-def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path):
+def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path, capsys):
     """GPT-2 with 2 layers: a tree of modules (counts per precision, casts, FP32 reasons),
     integer plumbing hidden, no line wider than 120 columns; --all lists every node."""
     pytest.importorskip("transformers")
@@ -47,8 +60,8 @@ def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path):
         "    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)\n"
         "    return transformers.GPT2LMHeadModel(cfg), {'input_ids': torch.randint(0, 96, (2, 16))}\n")
     tree = ok("inspect", f"{factory}:make")
-    full = ok("inspect", f"{factory}:make", "--all")
-    floats = ok("inspect", f"{factory}:make", "--nodes")
+    full = ok_here(capsys, "inspect", f"{factory}:make", "--all")
+    floats = ok_here(capsys, "inspect", f"{factory}:make", "--nodes")
     assert "transformer" in tree and "h" in tree and "attn" in tree and "LOW" in tree and "casts" in tree
     assert "FP32 x" in tree  # the reasons of a module's FP32 nodes
     assert max(len(line) for line in tree.splitlines()) <= 120
