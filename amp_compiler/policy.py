@@ -99,12 +99,22 @@ _FP32_LOSSES = {
     aten.triplet_margin_loss, aten.ctc_loss,
     aten.log_sigmoid, aten.log_sigmoid_forward,
 }
+# FP32, spectral transforms: every output sums the whole signal, and no 16-bit
+# FFT exists on CPU (on CUDA half only, at power-of-two sizes). FNet mixes its
+# tokens with one; Autoformer finds periods with another.
+_FP32_SPECTRAL = {
+    aten.fft_fft, aten.fft_ifft, aten.fft_fft2, aten.fft_ifft2, aten.fft_fftn,
+    aten.fft_ifftn, aten.fft_rfft, aten.fft_irfft, aten.fft_rfft2, aten.fft_irfft2,
+    aten.fft_rfftn, aten.fft_irfftn, aten.fft_hfft, aten.fft_ihfft, aten._fft_r2c,
+    aten._fft_c2r, aten._fft_c2c, aten.stft, aten.istft,
+}
 # FP32, fused layers: nn.TransformerEncoderLayer / nn.MultiheadAttention fast
 # paths (eval + no_grad) compute LayerNorm and softmax inside in their input
 # dtype. Capture writes them out (amp_compiler/fused_layers.py); the op itself
 # is left only for nested-tensor inputs, and the policy cannot split it: FP32.
 _FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
-FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_FUSED)
+FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_SPECTRAL
+                     | _FP32_FUSED)
 
 # PROMOTE: multi-input ops that must see one dtype; they take the widest
 # floating input. Residual adds are here on purpose: `x + f(x)` with an FP32
@@ -112,6 +122,7 @@ FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES 
 # model's state through every layer never rounds to 8 bits.
 PROMOTE_OPS = frozenset({
     aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.true_divide,
+    aten.multiply, aten.subtract, aten.divide,
     aten.maximum, aten.minimum, aten.fmax, aten.fmin, aten.atan2, aten.copysign,
     aten.addcmul, aten.addcdiv, aten.lerp, aten.where, aten.dot, aten.vdot, aten.outer,
     aten.cat, aten.concat, aten.concatenate, aten.stack, aten.hstack, aten.vstack,
@@ -134,11 +145,12 @@ PASSTHROUGH_OPS = frozenset({
     aten.unflatten, aten.slice, aten.select, aten.narrow, aten.split,
     aten.split_with_sizes, aten.chunk, aten.unbind, aten.alias, aten.numpy_T,
     aten.movedim, aten.unfold, aten.as_strided, aten.view_as, aten.reshape_as,
-    aten.broadcast_to, aten.swapaxes, aten.diagonal,
+    aten.broadcast_to, aten.broadcast_tensors, aten.swapaxes, aten.diagonal,
     # data movement and construction
     aten.contiguous, aten.clone, aten.detach, aten.detach_, aten.lift_fresh_copy,
     aten.lift_fresh, aten.repeat, aten.repeat_interleave, aten.tile, aten.roll,
     aten.flip, aten.tril, aten.triu, aten.pad, aten.constant_pad_nd, aten.index_select,
+    aten.im2col, aten.col2im,
     aten.gather, aten.embedding, aten.masked_fill, aten.masked_select, aten.index,
     aten._unsafe_index, aten.take, aten.pixel_shuffle, aten.channel_shuffle,
     aten.upsample_nearest2d, aten.zeros_like, aten.ones_like, aten.empty_like,
@@ -159,6 +171,11 @@ PASSTHROUGH_OPS = frozenset({
     # pooling over small fixed windows (a max is exact)
     aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.max_pool2d_with_indices,
     aten.adaptive_max_pool2d, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d,
+    # resizing: a copy (nearest) or a weighted average of a few neighbours (linear, cubic)
+    aten.upsample_nearest1d, aten.upsample_nearest3d, aten._upsample_nearest_exact1d,
+    aten._upsample_nearest_exact2d, aten._upsample_nearest_exact3d, aten.upsample_linear1d,
+    aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_trilinear3d,
+    aten._upsample_bilinear2d_aa, aten._upsample_bicubic2d_aa,
     # comparisons and selection: exact
     aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
     aten.logical_and, aten.logical_or, aten.argmax, aten.argmin, aten.max, aten.min,
@@ -170,7 +187,7 @@ PASSTHROUGH_OPS = frozenset({
 # PASSTHROUGH / PROMOTE under BF16. Division by a small norm or temperature,
 # and activations with an exp() inside, overflow FP16 first.
 FP16_EXTRA_FP32_OPS = frozenset({
-    aten.div, aten.true_divide, aten.softplus, aten.elu, aten.selu, aten.celu,
+    aten.div, aten.true_divide, aten.divide, aten.softplus, aten.elu, aten.selu, aten.celu,
     aten.mish,
 })
 
@@ -317,6 +334,7 @@ _GROUP_WHY = [
     (_FP32_REDUCTIONS, "reduction: FP32 so small terms are not lost"),
     (_FP32_MATH, "range-expanding math: FP32"),
     (_FP32_LOSSES, "loss: FP32"),
+    (_FP32_SPECTRAL, "FFT sums the whole signal (no 16-bit FFT on CPU): FP32"),
     (_FP32_FUSED, "fused layer with LayerNorm/softmax inside: FP32 (cannot be split)"),
     (PROMOTE_OPS, "multi-input op: takes the widest floating input"),
     (PASSTHROUGH_OPS, "dtype-agnostic (view, data movement, activation): runs in the dtype that arrives"),

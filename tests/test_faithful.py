@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from amp_compiler import AmpBackend
@@ -118,6 +119,35 @@ def test_custom_function_keeps_gradients_upstream():
     hop = [n for n in backend.plan().nodes if n.op == "autograd_function_apply"]
     assert hop and hop[0].precision == "FP32" and "hand-written backward" in hop[0].reason
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+
+
+class SpectralMix(nn.Module):
+    """FNet's token mixing (an FFT over sequence and features, real part) and a bilinear
+    resize: ops the tables name, not unknown ones run in FP32 with a warning."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.s = nn.Linear(8, 8), nn.Linear(16, 8), nn.Parameter(torch.rand(16))
+
+    def forward(self, x):
+        h = torch.fft.fftn(self.a(x), dim=(-2, -1)).real
+        h = F.interpolate(h.unsqueeze(1), scale_factor=2, mode="bilinear").squeeze(1)
+        h, s = torch.broadcast_tensors(h, self.s)
+        return self.b(h * s).pow(2).mean()
+
+
+def test_fft_runs_fp32_and_resizing_passes_through():
+    loss, ref_loss, model, ref, backend, rec = _step(SpectralMix(), (torch.randn(2, 6, 8),))
+    plan = backend.plan()
+    assert plan.summary()["unknown_ops"] == {}
+    by_op = {n.op: n for n in plan.nodes}
+    fft = next(n for op, n in by_op.items() if "fft" in op)
+    assert fft.precision == "FP32" and "FFT" in fft.reason
+    assert by_op["aten.upsample_bilinear2d.vec"].precision == "PASSTHROUGH"
+    assert by_op["aten.broadcast_tensors.default"].precision == "PASSTHROUGH"
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+    assert cosine(grads(model), grads(ref)) >= 0.999
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
 
 
 def test_custom_function_body_runs_in_fp32_program_dtypes():
