@@ -150,6 +150,61 @@ def test_fft_runs_fp32_and_resizing_passes_through():
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
 
 
+class HopRecorder(OpRecorder):
+    """OpRecorder that also records higher-order ops (flex_attention) as they execute."""
+
+    supports_higher_order_operators = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not isinstance(func, torch._ops.HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        self.calls.append((func, [a.dtype for a in leaves
+                                  if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+        return func(*args, **(kwargs or {}))
+
+
+class FlexBlock(nn.Module):
+    """Attention through flex_attention with a block mask and a score_mod (ALiBi-like)."""
+
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.norm, self.qkv, self.o, self.heads = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x, block_mask):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, block_mask=block_mask,
+                           score_mod=lambda s, b_, h, qi, ki: s - (qi - ki).abs() * 0.01)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_flex_attention_inference_runs_as_written_in_fp32():
+    """flex_attention (a higher-order op with a user score_mod) is an FP32 region: its
+    q/k/v arrive FP32 although the projection ran in BF16; the output is FP32's. CPU has
+    no flex-attention backward (PyTorch refuses requires_grad inputs), so inference only."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+
+    torch.manual_seed(0)
+    model, x = FlexBlock().eval(), torch.randn(2, 128, 32)
+    mask = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu")
+    rec = HopRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
+    with torch.no_grad():
+        ref = model(x, mask)
+        out = torch.compile(model, backend=backend)(x, mask)
+    hop = [n for n in backend.plan().nodes if n.op == "flex_attention"]
+    assert len(hop) == 1 and hop[0].precision == "FP32"
+    assert rec.dtypes_of(flex_hop) and all(set(d) == {torch.float32} for d in rec.dtypes_of(flex_hop))
+    projections = rec.dtypes_of(aten.addmm, aten.mm)
+    assert len(projections) == 2 and all(d == [torch.bfloat16] * len(d) for d in projections)
+    assert out.dtype == torch.float32
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+
+
 def test_custom_function_body_runs_in_fp32_program_dtypes():
     """The Function's forward receives FP32 although the Linear before it ran in BF16."""
     rec = OpRecorder()
