@@ -123,6 +123,8 @@ FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES 
 PROMOTE_OPS = frozenset({
     aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.true_divide,
     aten.multiply, aten.subtract, aten.divide,
+    # one output per input, each in its input's dtype: one dtype for all keeps the plan exact
+    aten.broadcast_tensors,
     aten.maximum, aten.minimum, aten.fmax, aten.fmin, aten.atan2, aten.copysign,
     aten.addcmul, aten.addcdiv, aten.lerp, aten.where, aten.dot, aten.vdot, aten.outer,
     aten.cat, aten.concat, aten.concatenate, aten.stack, aten.hstack, aten.vstack,
@@ -145,7 +147,7 @@ PASSTHROUGH_OPS = frozenset({
     aten.unflatten, aten.slice, aten.select, aten.narrow, aten.split,
     aten.split_with_sizes, aten.chunk, aten.unbind, aten.alias, aten.numpy_T,
     aten.movedim, aten.unfold, aten.as_strided, aten.view_as, aten.reshape_as,
-    aten.broadcast_to, aten.broadcast_tensors, aten.swapaxes, aten.diagonal,
+    aten.broadcast_to, aten.swapaxes, aten.diagonal,
     # data movement and construction
     aten.contiguous, aten.clone, aten.detach, aten.detach_, aten.lift_fresh_copy,
     aten.lift_fresh, aten.repeat, aten.repeat_interleave, aten.tile, aten.roll,

@@ -122,18 +122,20 @@ def test_custom_function_keeps_gradients_upstream():
 
 
 class SpectralMix(nn.Module):
-    """FNet's token mixing (an FFT over sequence and features, real part) and a bilinear
-    resize: ops the tables name, not unknown ones run in FP32 with a warning."""
+    """FNet's token mixing (an FFT over sequence and features, real part), a bilinear resize
+    and broadcast_tensors of mixed dtypes: ops the tables name, not unknown ones run in FP32
+    with a warning."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.s = nn.Linear(8, 8), nn.Linear(16, 8), nn.Parameter(torch.rand(16))
+        self.a, self.b, self.gate = nn.Linear(8, 8), nn.Linear(16, 8), nn.Linear(8, 1)
 
     def forward(self, x):
         h = torch.fft.fftn(self.a(x), dim=(-2, -1)).real
         h = F.interpolate(h.unsqueeze(1), scale_factor=2, mode="bilinear").squeeze(1)
-        h, s = torch.broadcast_tensors(h, self.s)
-        return self.b(h * s).pow(2).mean()
+        # one FP32 and one 16-bit input (Informer's distribution head): one dtype out
+        h, g = torch.broadcast_tensors(h, self.gate(x[:, :1]))
+        return self.b(h * g).pow(2).mean()
 
 
 def test_fft_runs_fp32_and_resizing_passes_through():
@@ -144,7 +146,7 @@ def test_fft_runs_fp32_and_resizing_passes_through():
     fft = next(n for op, n in by_op.items() if "fft" in op)
     assert fft.precision == "FP32" and "FFT" in fft.reason
     assert by_op["aten.upsample_bilinear2d.vec"].precision == "PASSTHROUGH"
-    assert by_op["aten.broadcast_tensors.default"].precision == "PASSTHROUGH"
+    assert by_op["aten.broadcast_tensors.default"].precision == "PROMOTE"
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
     assert cosine(grads(model), grads(ref)) >= 0.999
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
