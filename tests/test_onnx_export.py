@@ -192,6 +192,30 @@ def test_export_cuda_pins_ops_without_bf16_kernels(tmp_path):
             assert t[n.input[0]] == TensorProto.FLOAT
 
 
+def test_export_cuda_pins_unfold_and_resize(tmp_path):
+    """nn.Unfold (im2col, ConvBERT) lowers to a Pad and interpolate to a Resize, neither with
+    a BF16 kernel on ORT CUDA: both stay FP32 in the export though the policy passes them
+    through in BF16."""
+    class UnfoldResize(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.unfold = torch.nn.Linear(8, 8), torch.nn.Unfold((3, 1), padding=(1, 0))
+
+        def forward(self, x):  # x: (batch, tokens, 8)
+            cols = self.unfold(self.fc(x).transpose(1, 2).unsqueeze(-1))  # (batch, 8 * 3, tokens)
+            return torch.nn.functional.interpolate(cols.unsqueeze(1), scale_factor=2, mode="bilinear")
+
+    path = str(tmp_path / "u.onnx")
+    report = export_onnx(UnfoldResize(), (torch.randn(2, 6, 8),), path)
+    pinned = {n.op.split(".")[1]: n for n in report.plan.nodes
+              if n.op.startswith(("aten.im2col", "aten.upsample_bilinear2d"))}
+    assert set(pinned) == {"im2col", "upsample_bilinear2d"}
+    assert all(n.precision == "FP32" and "kernel on ORT" in n.reason for n in pinned.values())
+    _, t = types_of(path)
+    kinds = {n.op_type: t[n.input[0]] for n in onnx.load(path).graph.node if n.op_type in ("Pad", "Resize")}
+    assert kinds == {"Pad": TensorProto.FLOAT, "Resize": TensorProto.FLOAT}
+
+
 def test_export_low_precision_io(tmp_path):
     path = str(tmp_path / "io.onnx")
     export_onnx(TinyLM(vocab=100), (ids,), path, low_precision_io=True)
