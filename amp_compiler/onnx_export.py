@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,9 +145,8 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
     try:
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:
-        hint = (" (a KV cache in the outputs: pass use_cache=False in kwargs)"
-                if "Cache" in str(e) else "")
-        raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}{hint}") from e
+        raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+                          f"{_export_hint(e)}") from e
     if dtype != "fp32":
         # The exporter lowers SDPA to MatMul/Softmax/MatMul; write it out first (as the
         # backend's pass does, in the fused op's memory layout, which views after it may
@@ -175,6 +175,22 @@ def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options
     _sync_output_specs(ep)
     gm.recompile()
     return ep, GraphPlan.from_graph(gm, 0, dtype, f"export for {target}"), fp32_bytes
+
+
+def _export_hint(error: Exception) -> str:
+    """What to change in the model or the call, for the torch.export failures users meet."""
+    message = str(error)
+    if "Cache" in message:
+        return " (a KV cache in the outputs: pass use_cache=False in kwargs)"
+    if "data-dependent" in message:
+        # the model's own line: the last frame outside torch and this package
+        skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+        user = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
+        at = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+        return (f" (the model branches on a tensor's value{at}, e.g. `if mask.any():` or "
+                "`.item()`; torch.export traces one program for every input, so make that "
+                "branch independent of the values or write it with torch.cond)")
+    return ""
 
 
 def _lifted_tensors(ep) -> dict[str, torch.Tensor]:

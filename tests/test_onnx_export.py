@@ -192,6 +192,25 @@ def test_export_cuda_pins_ops_without_bf16_kernels(tmp_path):
             assert t[n.input[0]] == TensorProto.FLOAT
 
 
+def test_export_of_a_value_dependent_branch_says_where_and_what_to_do(tmp_path):
+    """Longformer's `if is_global_attn:` shape: torch.export cannot trace a branch on a
+    tensor's value; the error names the line and the fix, and leaves no file behind."""
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if (h > 0).any():
+                h = h * 2
+            return h
+
+    with pytest.raises(ExportError, match=r"branches on a tensor's value at .*test_onnx_export.py:\d+.*torch.cond"):
+        export_onnx(Branchy(), (torch.randn(2, 8),), str(tmp_path / "b.onnx"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_cuda_pins_unfold_and_resize(tmp_path):
     """nn.Unfold (im2col, ConvBERT) lowers to a Pad and interpolate to a Resize, neither with
     a BF16 kernel on ORT CUDA: both stay FP32 in the export though the policy passes them
