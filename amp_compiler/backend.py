@@ -36,6 +36,7 @@ class CompileRecord:
     plan: GraphPlan
     passes: list[PassRecord] = field(default_factory=list)
     options: AmpOptions | None = None
+    parameters: int = 0  # graph inputs that are trainable leaves: the model's parameters
 
 
 class AmpBackend:
@@ -67,6 +68,7 @@ class AmpBackend:
             self.options = AmpOptions.from_mapping(options, **kwargs)
         self.records: list[CompileRecord] = []
         self.compiled = 0  # graphs compiled so far, records dropped or not
+        self.with_parameters = 0  # of those, graphs that take trainable parameters
         # (dtype, why), set by whoever resolved "auto" for us (the training step, agreed by
         # all ranks): the plan then states that reason, not "dtype=... requested"
         self.decided: tuple[str, str] | None = None
@@ -112,7 +114,8 @@ class AmpBackend:
             check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
-        self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts))
+        self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts,
+                                   _parameters(example_inputs)))
         return aten_gm
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> torch.fx.GraphModule:
@@ -125,11 +128,13 @@ class AmpBackend:
             passes = []
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
-        self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts))
+        self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts,
+                                   _parameters(example_inputs)))
         return gm
 
     def _record(self, record: CompileRecord) -> None:
         self.compiled += 1
+        self.with_parameters += record.parameters > 0
         self.records.append(record)
         del self.records[:-self.max_records]
         s = record.plan.summary()
@@ -146,6 +151,13 @@ class AmpBackend:
     def reset(self) -> None:
         self.records.clear()
         self.compiled = 0
+
+
+def _parameters(example_inputs: Sequence[Any]) -> int:
+    """Trainable leaves among a graph's inputs: Dynamo lifts the parameters the graph uses.
+    A graph of only a loss on an output computed eagerly has none."""
+    return sum(1 for x in example_inputs
+               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf)
 
 
 def _with_policy(reason: str, opts: AmpOptions) -> str:

@@ -585,3 +585,31 @@ def test_every_training_step_in_a_process_keeps_its_loss_compiled():
                                dtype="bf16", compile_options=INNER)
         step(ids, ids)
     assert any(n.reason.startswith("loss") for n in step.backend.plan().nodes)
+
+
+class EagerOnly(nn.Module):
+    """A forward Dynamo does not compile (disabled, as a graph break it gives up on does to
+    nn.Transformer with mismatched padding and attention masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("compile_loss", [True, False])
+def test_a_model_dynamo_does_not_compile_is_refused_not_trained_in_fp32(compile_loss):
+    """With the loss compiled beside the model, the loss alone makes a graph: the step must
+    still see that no graph used the parameters, and refuse before anything is updated."""
+    model = EagerOnly()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = make_train_step(model, opt, F.cross_entropy, dtype="bf16", compile_loss=compile_loss)
+    match = "only the loss was compiled" if compile_loss else "compiled no graph"
+    with pytest.raises(RuntimeError, match=match):
+        step(torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
