@@ -80,6 +80,12 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+NOTHING_COMPILED = (
+    "Dynamo compiled no graph of this model, so amp plans nothing: under torch.compile it runs "
+    "as written, in FP32 (a forward marked torch.compiler.disable, or a graph break Dynamo "
+    "gives up on; TORCH_LOGS=graph_breaks shows where)")
+
+
 def cmd_inspect(args) -> int:
     if args.target.endswith(".onnx"):
         return _inspect_onnx(args)
@@ -90,6 +96,8 @@ def cmd_inspect(args) -> int:
     model, margs, mkwargs = load_target(args.target, args.input)
     backend = trace(model, *margs, dtype=args.dtype, options=_options(args), **mkwargs)
     plan = backend.plan()
+    if backend.compiled == 0 and args.format != "table":  # the table says it itself
+        sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
     if args.format == "json":
         text = json.dumps(plan.to_dict(), indent=2)
     elif args.format == "dot":
@@ -99,7 +107,9 @@ def cmd_inspect(args) -> int:
     else:
         s = plan.summary()
         mib = "n/a (dynamic shapes)" if s["cast_bytes"] is None else f"{s['cast_bytes'] / 2**20:.3f} MiB"
-        if args.nodes or args.all:
+        if backend.compiled == 0:
+            listing = NOTHING_COMPILED
+        elif args.nodes or args.all:
             listing = plan.format_table(None if args.all else floating)
         else:
             listing = _tree_text(module_tree(plan, f"amp plan: {args.target}"), args.output)

@@ -69,6 +69,28 @@ def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path, cap
     assert "aten.arange" in full and "aten.arange" not in floats
 
 
+def test_cli_inspect_says_when_dynamo_compiled_nothing(tmp_path, capsys):
+    """A forward Dynamo never compiles runs in FP32 under amp: inspect says so, not an empty plan."""
+    factory = tmp_path / "eager_model.py"
+    factory.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(8, 4)\n"
+        "    @torch.compiler.disable\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x)\n"
+        "def make():\n"
+        "    return M(), torch.randn(2, 8)\n")
+    assert "Dynamo compiled no graph of this model" in ok_here(capsys, "inspect", f"{factory}:make")
+    from amp_compiler.cli import main
+
+    assert main(["inspect", f"{factory}:make", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["nodes"] == [] and "runs as written, in FP32" in err
+
+
 def test_cli_inspect_json_schema():
     plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--format", "json"))
     assert plan["schema"] == "amp_compiler.plan/1"
