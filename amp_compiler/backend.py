@@ -148,6 +148,20 @@ class AmpBackend:
     def plan(self) -> PrecisionPlan:
         return PrecisionPlan([r.plan for r in self.records])
 
+    def model_not_compiled(self) -> str | None:
+        """After a training step through this backend: why the model ran as written in FP32
+        (no graph compiled, or none that takes trainable parameters), else None."""
+        if self.compiled == 0:
+            return ("amp: the first step compiled no graph, so the model ran as written in FP32 "
+                    "(Dynamo could not see inside it). Compile the modules it cannot see into "
+                    "yourself, or report the model; amp will not train it in FP32 in silence.")
+        if self.with_parameters == 0:
+            return ("amp: the first step compiled no graph that uses the model's parameters: only "
+                    "the loss was compiled and the model ran as written in FP32 (Dynamo gave up on "
+                    "its forward; TORCH_LOGS=graph_breaks shows where). Remove what breaks the "
+                    "graph, or report the model; amp will not train it in FP32 in silence.")
+        return None
+
     def reset(self) -> None:
         self.records.clear()
         self.compiled = 0

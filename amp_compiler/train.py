@@ -94,17 +94,9 @@ class TrainStep:
         self._batch = inputs
         loss = self.loss(inputs, *targets)
         if self.plan_fingerprint is None:
-            if self.backend.compiled == 0:
-                raise RuntimeError(
-                    "amp: the first step compiled no graph, so the model ran as written in FP32 "
-                    "(Dynamo could not see inside it). Compile the modules it cannot see into "
-                    "yourself, or report the model; amp will not train it in FP32 in silence.")
-            if self.backend.with_parameters == 0 and any(p.requires_grad for p in self._params):
-                raise RuntimeError(
-                    "amp: the first step compiled no graph that uses the model's parameters: only "
-                    "the loss was compiled and the model ran as written in FP32 (Dynamo gave up on "
-                    "its forward; TORCH_LOGS=graph_breaks shows where). Remove what breaks the "
-                    "graph, or report the model; amp will not train it in FP32 in silence.")
+            why = self.backend.model_not_compiled()
+            if why is not None and any(p.requires_grad for p in self._params):
+                raise RuntimeError(why)
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()

@@ -61,6 +61,35 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+class EagerLM(nn.Module):
+    """All of its compute in a function Dynamo is told not to compile (as a graph break it
+    gives up on leaves a model's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(96, 16), nn.Linear(16, 96)
+
+    def forward(self, input_ids, labels):
+        return {"loss": _eager_loss(self, input_ids, labels)}
+
+
+@torch.compiler.disable
+def _eager_loss(model, ids, labels):
+    return nn.functional.cross_entropy(model.head(model.emb(ids)).flatten(0, 1), labels.flatten())
+
+
+def test_trainer_refuses_a_model_dynamo_does_not_compile(tmp_path):
+    """Under the callback such a model would train in FP32: the first optimizer step is
+    refused instead, before any parameter moves."""
+    model = EagerLM()
+    before = copy.deepcopy(model.state_dict())
+    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=Ids(),
+                                   callbacks=[AmpCallback("bf16", inner="aot_eager")])
+    with pytest.raises(RuntimeError, match="ran as written in FP32"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("flag", ["bf16", "torch_compile"])
 def test_trainer_flags_that_stack_a_second_precision_system_are_refused(tmp_path, flag):
     with pytest.raises(ValueError, match=f"TrainingArguments\\({flag}=True\\)"):

@@ -52,6 +52,7 @@ class AmpCallback(TrainerCallback):
         self.dtype = self.reason = None
         self._pending: list[str] = []
         self._plan_logged = False
+        self._compile_checked = False
         self.skipped_steps = 0
         self.monitor.on_alert.append(lambda event: self._pending.append(event.message))
 
@@ -94,6 +95,11 @@ class AmpCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None,
                               lr_scheduler=None, **kwargs):
+        if not self._compile_checked and self.backend is not None:
+            self._compile_checked = True  # before the first update: nothing is lost
+            why = self.backend.model_not_compiled()
+            if why is not None:
+                raise RuntimeError(why)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
