@@ -15,6 +15,7 @@ import inspect
 import io
 import logging
 import os
+import re
 import shutil
 import tempfile
 import traceback
@@ -143,7 +144,14 @@ def _validate(dtype: str, target: str) -> None:
 def _planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io):
     """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit."""
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        # torch.distributions' argument checks are Python branches on values; torch.compile
+        # turns them off for the whole process, so do the same here, for this call only
+        validate = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        try:
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(validate)
     except Exception as e:
         raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}"
                           f"{_export_hint(e)}") from e
@@ -295,7 +303,14 @@ def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=Non
                               dynamic_shapes=dynamic_shapes, optimize=False, external_data=True,
                               verbose=False, custom_translation_table=translations or None)
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", str(e))
+        if missing:  # the one cause a user can act on
+            raise ExportError(
+                f"torch.onnx.export failed: ONNX has no translation for {missing.group(1)}, which "
+                "the model computes; export a forward that does not need it (e.g. without the "
+                "inputs that make the model compute its loss)") from e
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).splitlines()[0])  # the exporter's colours
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {first}") from e
 
 
 def _initializer_bytes(path: str) -> int:

@@ -211,6 +211,31 @@ def test_export_of_a_value_dependent_branch_says_where_and_what_to_do(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_traces_distribution_heads_and_leaves_validation_as_it_was(tmp_path):
+    """torch.distributions checks its arguments with Python branches on values (Informer's
+    Student-t head); torch.compile turns the checks off for the whole process, the export
+    only for its own trace, so it works in a process that never compiled."""
+    class Gaussian(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            loc, scale = self.fc(x).unbind(-1)
+            d = torch.distributions.Normal(loc, torch.nn.functional.softplus(scale) + 1e-3)
+            return d.mean + d.stddev
+
+    dist = torch.distributions.Distribution
+    before = dist._validate_args
+    dist.set_default_validate_args(True)  # as in a fresh process
+    try:
+        export_onnx(Gaussian(), (torch.randn(4, 8),), str(tmp_path / "g.onnx"))
+        assert dist._validate_args is True
+    finally:
+        dist.set_default_validate_args(before)
+    assert (tmp_path / "g.onnx").exists()
+
+
 def test_export_cuda_pins_unfold_and_resize(tmp_path):
     """nn.Unfold (im2col, ConvBERT) lowers to a Pad and interpolate to a Resize, neither with
     a BF16 kernel on ORT CUDA: both stay FP32 in the export though the policy passes them
