@@ -164,7 +164,7 @@ class AmpBackend:
 
     def reset(self) -> None:
         self.records.clear()
-        self.compiled = 0
+        self.compiled = self.with_parameters = 0
 
 
 def _parameters(example_inputs: Sequence[Any]) -> int:
