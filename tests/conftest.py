@@ -39,10 +39,12 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        dtypes = [a.dtype for a in tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        self.calls.append((func.overloadpacket, dtypes))
+        self.record(func.overloadpacket, args, kwargs)
         return func(*args, **kwargs)
+
+    def record(self, op, args, kwargs) -> None:
+        self.calls.append((op, [a.dtype for a in tree_leaves((args, kwargs))
+                                if isinstance(a, torch.Tensor) and a.is_floating_point()]))
 
     def dtypes_of(self, *packets) -> list[list[torch.dtype]]:
         return [d for p, d in self.calls if p in packets]
@@ -151,3 +153,15 @@ def grads(model: nn.Module) -> torch.Tensor:
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.double(), b.double(), dim=0).item()
+
+
+def cli_here(capsys, *args) -> tuple[int, str, str]:
+    """A CLI command in this process: (exit code, stdout, stderr). For a test's further
+    commands once a subprocess has shown the entry point (start-up and imports are most of
+    a small command's time)."""
+    from amp_compiler.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from amp_compiler import AmpBackend, AmpOptionsError, calibrate
 
-from conftest import MLP, OpRecorder, recording_backend
+from conftest import MLP, OpRecorder, cli_here, recording_backend
 
 
 class Diff(nn.Module):
@@ -144,17 +144,6 @@ def run_cli(*args):
                           timeout=600)
 
 
-def run_here(capsys, *args):
-    """A further command in this process (start-up and imports are most of its time):
-    (exit code, stdout, stderr)."""
-    from amp_compiler.cli import main
-
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path, capsys):
     fixture = str(tmp_path / "cancel.py")
     with open(fixture, "w") as f:
@@ -166,12 +155,12 @@ def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert "diff" in r.stdout and "error before" in r.stdout
     assert json.loads(out.read_text())["pins"]
-    code, stdout, err = run_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(out),
+    code, stdout, err = cli_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(out),
                                  "--format", "json")
     assert code == 0, err
     reasons = [n["reason"] for n in json.loads(stdout)["nodes"] if n["module"] == "diff.a"]
     assert any("policy file" in x for x in reasons)
-    code, _, err = run_here(capsys, "calibrate", f"{fixture}:make", "-o", str(tmp_path / "no" / "p.json"))
+    code, _, err = cli_here(capsys, "calibrate", f"{fixture}:make", "-o", str(tmp_path / "no" / "p.json"))
     assert code == 2 and err.count("\n") == 1, err
-    code, _, err = run_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(tmp_path / "missing.json"))
+    code, _, err = cli_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(tmp_path / "missing.json"))
     assert code == 2 and "not found" in err

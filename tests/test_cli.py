@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import cli_here
+
 HERE = os.path.dirname(__file__)
 MODELS = os.path.join(HERE, "fixtures", "models.py")
 OVERFLOW = os.path.join(HERE, "fixtures", "overflow_model.py")
@@ -31,13 +33,7 @@ def ok(*args):
 
 
 def ok_here(capsys, *args):
-    """A further command in this process, once a subprocess has shown the entry point works:
-    interpreter start-up and imports are most of a small command's time."""
-    from amp_compiler.cli import main
-
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
+    code, out, err = cli_here(capsys, *args)
     assert code == 0, err[-3000:]
     return out
 
@@ -84,10 +80,8 @@ def test_cli_inspect_says_when_dynamo_compiled_nothing(tmp_path, capsys):
         "def make():\n"
         "    return M(), torch.randn(2, 8)\n")
     assert "Dynamo compiled no graph of this model" in ok_here(capsys, "inspect", f"{factory}:make")
-    from amp_compiler.cli import main
-
-    assert main(["inspect", f"{factory}:make", "--format", "json"]) == 0
-    out, err = capsys.readouterr()
+    code, out, err = cli_here(capsys, "inspect", f"{factory}:make", "--format", "json")
+    assert code == 0
     assert json.loads(out)["nodes"] == [] and "runs as written, in FP32" in err
 
 

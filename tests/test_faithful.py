@@ -160,9 +160,7 @@ class HopRecorder(OpRecorder):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not isinstance(func, torch._ops.HigherOrderOperator):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-        self.calls.append((func, [a.dtype for a in leaves
-                                  if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+        self.record(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
