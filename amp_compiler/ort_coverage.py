@@ -136,13 +136,14 @@ def _cuda_pins(aten) -> dict:
     lowering = {
         # im2col / col2im (nn.Unfold / nn.Fold, ConvBERT) pad their input in the lowering
         "Pad": (aten.pad, aten.constant_pad_nd, aten.reflection_pad1d, aten.reflection_pad2d,
-                aten.replication_pad1d, aten.replication_pad2d, aten.im2col, aten.col2im),
+                aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
+                aten.replication_pad3d, aten._pad_circular, aten.im2col, aten.col2im),
         "Resize": (aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
                    aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d,
                    aten._upsample_nearest_exact3d, aten.upsample_linear1d, aten.upsample_bilinear2d,
                    aten.upsample_bicubic2d, aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa,
                    aten._upsample_bicubic2d_aa),
-        "ReduceMax": (aten.amax, aten.max),
+        "ReduceMax": (aten.amax, aten.max, aten.aminmax),
         "ReduceMin": (aten.amin, aten.min),
     }
     return {op: f"no BF16 {onnx_op} kernel on ORT {ORT_VERSION} CUDA: FP32 in the export"

@@ -67,7 +67,9 @@ _FP32_NORMS = {
     aten._native_batch_norm_legit_no_training, aten._native_batch_norm_legit_functional,
     aten.instance_norm, aten.rms_norm, aten._fused_rms_norm,
     aten.norm, aten.linalg_vector_norm, aten.frobenius_norm, aten.renorm, aten._weight_norm,
-    aten.cdist, aten.dist, aten.pdist, aten.cosine_similarity,
+    aten._weight_norm_interface, aten.linalg_norm, aten.linalg_matrix_norm, aten.nuclear_norm,
+    aten.embedding_renorm, aten.batch_norm_stats,
+    aten.cdist, aten.dist, aten.pdist, aten.cosine_similarity, aten.pairwise_distance,
 }
 # FP32, reductions: a long 16-bit sum stops growing once the partial sum
 # dwarfs each term (BF16 has 8 bits of mantissa). A global average pool is a
@@ -75,7 +77,10 @@ _FP32_NORMS = {
 _FP32_REDUCTIONS = {
     aten.sum, aten.mean, aten.var, aten.std, aten.var_mean, aten.std_mean,
     aten.prod, aten.cumsum, aten.cumprod, aten.logsumexp, aten.logcumsumexp,
-    aten.nansum, aten.nanmean, aten.histc, aten.bincount,
+    aten.nansum, aten.nanmean, aten.histc, aten.bincount, aten.trace, aten.quantile,
+    aten.nanquantile, aten.segment_reduce, aten._segment_reduce_backward,
+    # a bag's sum or mean over its rows (EmbeddingBag)
+    aten.embedding_bag, aten._embedding_bag, aten._embedding_bag_forward_only,
     aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d,
     aten._adaptive_avg_pool2d,
 }
@@ -87,6 +92,27 @@ _FP32_MATH = {
     aten.pow, aten.square, aten.rsqrt, aten.reciprocal, aten.erfinv,
     aten.sinh, aten.cosh, aten.tan, aten.acos, aten.asin, aten.sin, aten.cos,
     aten.lgamma, aten.digamma, aten.polygamma, aten.xlogy, aten.special_xlog1py,
+    aten.logit, aten.logaddexp, aten.logaddexp2, aten.erfc, aten.special_erfcx, aten.atanh,
+    aten.asinh, aten.acosh, aten.sinc, aten.i0, aten.special_i0e, aten.special_i1,
+    aten.special_i1e, aten.mvlgamma, aten.special_entr,
+    # dtype-dependent defaults (posinf -> the dtype's max): as the FP32 program wrote them
+    aten.nan_to_num,
+    # sampling from probabilities: 16-bit rounding moves them
+    aten.multinomial,
+}
+# FP32, linear algebra beyond matmul: decompositions and solves amplify rounding by
+# the condition number, and CPU has no 16-bit kernels for most of them.
+_FP32_LINALG = {
+    aten.linalg_svd, aten._linalg_svd, aten.svd, aten.linalg_svdvals, aten.linalg_qr,
+    aten.linalg_eigh, aten._linalg_eigh, aten.linalg_eigvalsh, aten.linalg_eig, aten.linalg_eigvals,
+    aten.linalg_inv, aten.linalg_inv_ex, aten.inverse, aten.linalg_solve, aten._linalg_solve_ex,
+    aten.linalg_solve_triangular, aten.triangular_solve, aten.linalg_lstsq, aten.linalg_pinv,
+    aten.linalg_cholesky, aten.linalg_cholesky_ex, aten.cholesky, aten.cholesky_solve,
+    aten.cholesky_inverse, aten.linalg_det, aten._linalg_det, aten.det, aten.logdet,
+    aten.slogdet, aten.linalg_slogdet, aten._linalg_slogdet, aten.linalg_matrix_exp,
+    aten.matrix_exp, aten.linalg_lu, aten.linalg_lu_factor, aten.linalg_lu_factor_ex,
+    aten.linalg_lu_solve, aten.lu_solve, aten.linalg_matrix_power, aten.matrix_power,
+    aten.linalg_matrix_rank, aten.linalg_cond,
 }
 # FP32, losses: the scalar the whole backward pass starts from; log-sigmoid is
 # the DPO/KTO loss.
@@ -114,7 +140,7 @@ _FP32_SPECTRAL = {
 # is left only for nested-tensor inputs, and the policy cannot split it: FP32.
 _FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
 FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_SPECTRAL
-                     | _FP32_FUSED)
+                     | _FP32_LINALG | _FP32_FUSED)
 
 # PROMOTE: multi-input ops that must see one dtype; they take the widest
 # floating input. Residual adds are here on purpose: `x + f(x)` with an FP32
@@ -129,7 +155,12 @@ PROMOTE_OPS = frozenset({
     aten.addcmul, aten.addcdiv, aten.lerp, aten.where, aten.dot, aten.vdot, aten.outer,
     aten.cat, aten.concat, aten.concatenate, aten.stack, aten.hstack, aten.vstack,
     aten.index_put, aten.scatter, aten.scatter_add, aten.index_add, aten.index_copy,
-    aten.masked_scatter, aten.grid_sampler,
+    aten.scatter_reduce, aten.index_reduce, aten.put, aten.masked_scatter, aten.grid_sampler,
+    aten.grid_sampler_2d, aten.grid_sampler_3d, aten.heaviside, aten.prelu, aten._prelu_kernel,
+    aten.remainder, aten.fmod, aten.floor_divide, aten.hypot, aten.cross, aten.linalg_cross,
+    aten.kron, aten.block_diag, aten.meshgrid, aten.cartesian_prod,
+    # the sorted boundaries and the values must share a dtype
+    aten.searchsorted, aten.bucketize,
     # functional forms of in-place writes (export functionalizes copy_ and slice assignment)
     aten.copy, aten.slice_scatter, aten.select_scatter, aten.diagonal_scatter,
     aten.as_strided_scatter,
@@ -147,12 +178,20 @@ PASSTHROUGH_OPS = frozenset({
     aten.unflatten, aten.slice, aten.select, aten.narrow, aten.split,
     aten.split_with_sizes, aten.chunk, aten.unbind, aten.alias, aten.numpy_T,
     aten.movedim, aten.unfold, aten.as_strided, aten.view_as, aten.reshape_as,
-    aten.broadcast_to, aten.swapaxes, aten.diagonal,
+    aten.broadcast_to, aten.swapaxes, aten.diagonal, aten.rot90, aten.diag, aten.diag_embed,
+    aten.view_copy, aten.permute_copy, aten.transpose_copy, aten.t_copy, aten.expand_copy,
+    aten.squeeze_copy, aten.unsqueeze_copy, aten.slice_copy, aten.select_copy,
+    aten.split_copy, aten.split_with_sizes_copy, aten.unbind_copy, aten.narrow_copy,
+    aten.alias_copy, aten.as_strided_copy, aten.diagonal_copy, aten.unfold_copy,
+    aten.resolve_conj, aten.resolve_neg, aten.conj,
     # data movement and construction
     aten.contiguous, aten.clone, aten.detach, aten.detach_, aten.lift_fresh_copy,
     aten.lift_fresh, aten.repeat, aten.repeat_interleave, aten.tile, aten.roll,
     aten.flip, aten.tril, aten.triu, aten.pad, aten.constant_pad_nd, aten.index_select,
-    aten.im2col, aten.col2im,
+    aten.im2col, aten.col2im, aten.take_along_dim, aten.index_fill, aten.pixel_unshuffle,
+    aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d,
+    aten.replication_pad1d, aten.replication_pad2d, aten.replication_pad3d, aten._pad_circular,
+    aten.combinations, aten.empty_strided, aten.new_empty_strided,
     aten.gather, aten.embedding, aten.masked_fill, aten.masked_select, aten.index,
     aten._unsafe_index, aten.take, aten.pixel_shuffle, aten.channel_shuffle,
     aten.upsample_nearest2d, aten.zeros_like, aten.ones_like, aten.empty_like,
@@ -169,10 +208,14 @@ PASSTHROUGH_OPS = frozenset({
     aten.elu, aten.selu, aten.celu, aten.mish, aten.softplus, aten.hardtanh,
     aten.hardswish, aten.hardsigmoid, aten.relu6, aten.glu, aten.neg, aten.abs,
     aten.sign, aten.clamp, aten.clamp_min, aten.clamp_max, aten.clip, aten.floor,
-    aten.ceil, aten.round, aten.trunc, aten.frac, aten.erf, aten.sqrt,
+    aten.ceil, aten.round, aten.trunc, aten.frac, aten.erf, aten.sqrt, aten.atan,
+    aten.threshold, aten.hardshrink, aten.softshrink, aten.rrelu, aten.rrelu_with_noise,
+    aten.deg2rad, aten.rad2deg, aten.sgn,
     # pooling over small fixed windows (a max is exact)
     aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.max_pool2d_with_indices,
     aten.adaptive_max_pool2d, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d,
+    aten.adaptive_max_pool1d, aten.adaptive_max_pool3d, aten.max_pool3d_with_indices,
+    aten.max_unpool2d, aten.max_unpool3d,
     # resizing: a copy (nearest) or a weighted average of a few neighbours (linear, cubic)
     aten.upsample_nearest1d, aten.upsample_nearest3d, aten._upsample_nearest_exact1d,
     aten._upsample_nearest_exact2d, aten._upsample_nearest_exact3d, aten.upsample_linear1d,
@@ -182,6 +225,10 @@ PASSTHROUGH_OPS = frozenset({
     aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
     aten.logical_and, aten.logical_or, aten.argmax, aten.argmin, aten.max, aten.min,
     aten.amax, aten.amin, aten.topk, aten.sort, aten.argsort, aten.all, aten.any,
+    aten.aminmax, aten.cummax, aten.cummin, aten.kthvalue, aten.median, aten.nanmedian,
+    aten.mode, aten.msort, aten.isnan, aten.isinf, aten.isfinite, aten.isposinf,
+    aten.isneginf, aten.signbit, aten.nonzero, aten.nonzero_static, aten.count_nonzero,
+    aten.unique_consecutive, aten._unique2, aten.unique_dim, aten.logical_xor,
 })
 
 # FP16 only: FP16 tops out at 65504 where BF16 reaches 3e38, so ops whose
@@ -277,10 +324,8 @@ class Policy:
 
         In-place variants (``aten.add_``) share their functional op's entry.
         """
-        if packet not in self._lookup and isinstance(packet, torch._ops.OpOverloadPacket):
-            name = packet.__name__
-            if name.endswith("_") and not name.startswith("_"):
-                packet = getattr(aten, name[:-1], packet)
+        if packet not in self._lookup:
+            packet = _functional(packet)
         if packet in BANNED_OPS and packet not in self._lookup:
             raise AmpPolicyError(BANNED_OPS[packet])
         if packet not in self._lookup and packet not in self.removed:
@@ -337,6 +382,7 @@ _GROUP_WHY = [
     (_FP32_MATH, "range-expanding math: FP32"),
     (_FP32_LOSSES, "loss: FP32"),
     (_FP32_SPECTRAL, "FFT sums the whole signal (no 16-bit FFT on CPU): FP32"),
+    (_FP32_LINALG, "decomposition/solve amplifies rounding by the condition number: FP32"),
     (_FP32_FUSED, "fused layer with LayerNorm/softmax inside: FP32 (cannot be split)"),
     (PROMOTE_OPS, "multi-input op: takes the widest floating input"),
     (PASSTHROUGH_OPS, "dtype-agnostic (view, data movement, activation): runs in the dtype that arrives"),
@@ -346,7 +392,9 @@ _FP16_WHY = "can overflow FP16's 65504: FP32 under fp16 (BF16 has FP32's range)"
 
 
 def why(packet: object, precision: Precision, policy: Policy) -> str:
-    """The human reason a table gives for an op."""
+    """The human reason a table gives for an op (an in-place variant: its functional op's)."""
+    if packet not in policy._lookup and packet not in policy.reasons:
+        packet = _functional(packet)
     if packet in policy.reasons:
         return policy.reasons[packet]
     for p, ops in policy.overrides.items():
@@ -357,3 +405,11 @@ def why(packet: object, precision: Precision, policy: Policy) -> str:
     if getattr(packet, "_qualified_op_name", None) in EXTERNAL_OPS:
         return f"known {packet._qualified_op_name} (grouped matmul): 16-bit inputs"
     return _WHY.get(packet, f"{precision.value} table")
+
+
+def _functional(packet: object) -> object:
+    """``aten.add_`` -> ``aten.add``: an in-place variant is decided like its functional op."""
+    name = getattr(packet, "__name__", "")
+    if isinstance(packet, torch._ops.OpOverloadPacket) and name.endswith("_") and not name.startswith("_"):
+        return getattr(aten, name[:-1], packet)
+    return packet

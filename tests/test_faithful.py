@@ -164,6 +164,51 @@ class HopRecorder(OpRecorder):
         return func(*args, **(kwargs or {}))
 
 
+class Assorted(nn.Module):
+    """Ops user code reaches for beside the transformer block: an EmbeddingBag and a
+    max_norm embedding (renormalised in forward), reflect padding, isnan/median, a
+    bucketize against FP32 boundaries and a small linear solve on a BF16 product."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.emb = nn.EmbeddingBag(16, 8, mode="mean"), nn.Embedding(16, 8, max_norm=1.0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("edges", torch.linspace(-1, 1, 5))
+
+    def forward(self, ids, x):
+        h = self.a(x) + self.bag(ids)[:, None] + self.emb(ids)
+        h = F.pad(h.transpose(1, 2), (1, 1), mode="reflect").transpose(1, 2)[:, 1:-1]
+        h = torch.where(torch.isnan(h), 0.0, h) - h.median(-1, keepdim=True).values
+        bins = torch.bucketize(torch.tanh(h), self.edges).float() / 4
+        gram = self.b(h).transpose(1, 2) @ h + 4 * torch.eye(8)
+        sol = torch.linalg.solve(gram, h.transpose(1, 2)).transpose(1, 2)
+        return (sol + bins).pow(2).mean()
+
+
+def test_ops_beside_the_block_are_named_in_the_tables():
+    """No unknown op (each would run in FP32 with a warning): the bag's mean and the
+    solve run FP32 by their tables, padding and selection pass through, bucketize
+    promotes its values to the FP32 boundaries; the step matches FP32."""
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 16, (2, 6), generator=g), torch.randn(2, 6, 8, generator=g))
+    rec = HopRecorder()  # linalg's error check runs as an effectful higher-order op
+    loss, ref_loss, model, ref, backend, _ = _step(Assorted(), inputs, inner=recording_backend(rec))
+    plan = backend.plan()
+    assert plan.summary()["unknown_ops"] == {}
+    by_op = {n.op.split(".")[1]: n for n in plan.nodes if n.op.startswith("aten.")}
+    assert by_op["embedding_bag"].precision == "FP32" and "reduction" in by_op["embedding_bag"].reason
+    assert "norm" in by_op["embedding_renorm_"].reason  # the in-place op gets its group's reason
+    assert by_op["linalg_solve"].precision == "FP32" and "condition number" in by_op["linalg_solve"].reason
+    assert by_op["pad"].precision == "PASSTHROUGH"
+    assert by_op["median"].precision == "PASSTHROUGH" and by_op["isnan"].precision == "PASSTHROUGH"
+    assert by_op["bucketize"].precision == "PROMOTE"
+    assert rec.dtypes_of(aten._linalg_solve_ex) and all(
+        d[0] == torch.float32 for d in rec.dtypes_of(aten._linalg_solve_ex))
+    assert any(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+    assert cosine(grads(model), grads(ref)) >= 0.999
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
+
+
 class FlexBlock(nn.Module):
     """Attention through flex_attention with a block mask and a score_mod (ALiBi-like)."""
 

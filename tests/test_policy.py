@@ -59,6 +59,10 @@ def test_policy_fp16_moves_overflow_prone_ops_to_fp32():
     (aten.index_put, Precision.PROMOTE), (aten.addcmul, Precision.PROMOTE),
     (aten.view, Precision.PASSTHROUGH), (aten.gelu, Precision.PASSTHROUGH),
     (aten.relu, Precision.PASSTHROUGH), (aten.embedding, Precision.PASSTHROUGH),
+    (aten.embedding_bag, Precision.FP32), (aten.linalg_inv, Precision.FP32),
+    (aten.nan_to_num, Precision.FP32), (aten.multinomial, Precision.FP32),
+    (aten.searchsorted, Precision.PROMOTE), (aten.scatter_reduce, Precision.PROMOTE),
+    (aten.isnan, Precision.PASSTHROUGH), (aten.reflection_pad2d, Precision.PASSTHROUGH),
 ])
 def test_policy_key_ops(op, precision):
     """The ops the design note names land where it says."""
@@ -74,7 +78,7 @@ def test_policy_inplace_variant_shares_functional_decision():
 
 def test_policy_unknown_op_is_none():
     """Ops in no table are unknown (the tagger runs them in FP32 or raises)."""
-    assert Policy(torch.bfloat16).decide(aten.erfc) is None
+    assert Policy(torch.bfloat16).decide(aten.special_bessel_j0) is None
 
 
 def test_policy_binary_cross_entropy_banned_with_advice():

@@ -12,7 +12,11 @@ Workloads: lm-explicit (decoder, matmul-softmax-matmul attention), lm-sdpa (deco
 scaled_dot_product_attention), encoder (nn.TransformerEncoder), encoder-dropout (the same
 at PyTorch's default dropout 0.1), cnn (conv + BatchNorm). Model code nobody here wrote,
 Hugging Face transformers built from configs of the same size (optional, not in the
-default list): hf-gpt2, hf-llama, hf-bert (GPT-2 and BERT at their default dropout 0.1).
+default list): hf-gpt2, hf-llama, hf-bert (GPT-2 and BERT at their default dropout 0.1),
+and decoders with other attention and MLP layouts, dropout off: hf-qwen2 (grouped KV
+heads, biased QKV), hf-neox (parallel residual, rotary on a quarter of each head), hf-opt
+(learned positions, ReLU), hf-gemma (one KV head, GeGLU), hf-phi (partial rotary, parallel
+block).
 Metrics: median training-step and inference time over interleaved repetitions, first-call
 time (compile included, caches off, each variant into an empty kernel cache, after every
 variant has run once on a tiny model: no one-time process cost lands on one), activation
@@ -51,7 +55,7 @@ from amp_compiler.device import native_dtypes, resolve_dtype
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
 LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
 WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "encoder-dropout", "cnn")
-HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert")
+HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert", "hf-qwen2", "hf-neox", "hf-opt", "hf-gemma", "hf-phi")
 # dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                "A10G": 125.0, "V100": 125.0, "T4": 65.0}
@@ -177,9 +181,31 @@ def hf_model(workload: str, size: dict) -> nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=d, intermediate_size=8 * d // 3, num_hidden_layers=n, num_attention_heads=h,
             num_key_value_heads=h, vocab_size=v, max_position_embeddings=t))
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d,
-        vocab_size=v, max_position_embeddings=t))
+    if workload == "hf-bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d,
+            vocab_size=v, max_position_embeddings=t))
+    if workload == "hf-qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            hidden_size=d, intermediate_size=8 * d // 3, num_hidden_layers=n, num_attention_heads=h,
+            num_key_value_heads=max(1, h // 4), vocab_size=v, max_position_embeddings=t))
+    if workload == "hf-neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
+            vocab_size=v, max_position_embeddings=t, rotary_pct=0.25, hidden_dropout=0.0,
+            attention_dropout=0.0))
+    if workload == "hf-opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            hidden_size=d, ffn_dim=4 * d, num_hidden_layers=n, num_attention_heads=h, vocab_size=v,
+            max_position_embeddings=t, word_embed_proj_dim=d, dropout=0.0, attention_dropout=0.0))
+    if workload == "hf-gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+            hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
+            num_key_value_heads=1, head_dim=d // h, vocab_size=v, max_position_embeddings=t))
+    return transformers.PhiForCausalLM(transformers.PhiConfig(
+        hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
+        vocab_size=v, max_position_embeddings=t, resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0))
 
 
 def hf_loss(output, targets):
