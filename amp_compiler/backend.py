@@ -69,6 +69,7 @@ class AmpBackend:
         self.records: list[CompileRecord] = []
         self.compiled = 0  # graphs compiled so far, records dropped or not
         self.with_parameters = 0  # of those, graphs that take trainable parameters
+        self.parameter_ids: set[int] = set()  # id() of every trainable leaf a graph took
         # (dtype, why), set by whoever resolved "auto" for us (the training step, agreed by
         # all ranks): the plan then states that reason, not "dtype=... requested"
         self.decided: tuple[str, str] | None = None
@@ -115,7 +116,7 @@ class AmpBackend:
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts,
-                                   _parameters(example_inputs)))
+                                   self._took(example_inputs)))
         return aten_gm
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> torch.fx.GraphModule:
@@ -129,8 +130,13 @@ class AmpBackend:
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
         self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts,
-                                   _parameters(example_inputs)))
+                                   self._took(example_inputs)))
         return gm
+
+    def _took(self, example_inputs: Sequence[Any]) -> int:
+        leaves = _parameters(example_inputs)
+        self.parameter_ids.update(map(id, leaves))
+        return len(leaves)
 
     def _record(self, record: CompileRecord) -> None:
         self.compiled += 1
@@ -162,16 +168,43 @@ class AmpBackend:
                     "graph, or report the model; amp will not train it in FP32 in silence.")
         return None
 
+    def parameters_outside(self, model: torch.nn.Module) -> list[str]:
+        """Trainable parameters of ``model`` that no compiled graph took: the code using them
+        ran as written, in FP32 (a graph break Dynamo could not resume from, such as one
+        inside a loop, runs the whole frame eagerly)."""
+        return [name for name, p in model.named_parameters()
+                if p.requires_grad and id(p) not in self.parameter_ids]
+
+    def parameters_outside_warning(self, model: torch.nn.Module) -> str | None:
+        """After a training step: which trainable parameters ran outside every compiled graph,
+        in words for a warning, or None (all were compiled, or nothing was: that case is
+        ``model_not_compiled``'s)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.with_parameters == 0 or any(isinstance(p, DTensor) for p in model.parameters()):
+            return None  # FSDP2 hands the graphs unsharded copies, never the DTensors themselves
+        outside = self.parameters_outside(model)
+        if not outside:
+            return None
+        total = sum(p.requires_grad for p in model.parameters())
+        shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
+        return (f"amp: {len(outside)} of {total} trainable parameters were taken by no compiled "
+                f"graph ({shown}): the code that uses them ran as written, in FP32, after a graph "
+                "break (one inside a loop, such as a data-dependent torch.where per expert, makes "
+                "Dynamo run the whole function eagerly; so do modules it does not trace, such as "
+                "nn.LSTM). Their gradients are right but get no 16-bit speed-up; "
+                "TORCH_LOGS=graph_breaks shows where.")
+
     def reset(self) -> None:
         self.records.clear()
         self.compiled = self.with_parameters = 0
+        self.parameter_ids.clear()
 
 
-def _parameters(example_inputs: Sequence[Any]) -> int:
+def _parameters(example_inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Trainable leaves among a graph's inputs: Dynamo lifts the parameters the graph uses.
     A graph of only a loss on an output computed eagerly has none."""
-    return sum(1 for x in example_inputs
-               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf)
+    return [x for x in example_inputs if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
 
 
 def _with_policy(reason: str, opts: AmpOptions) -> str:

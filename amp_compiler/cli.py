@@ -98,6 +98,9 @@ def cmd_inspect(args) -> int:
     plan = backend.plan()
     if backend.compiled == 0 and args.format != "table":  # the table says it itself
         sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
+    partly = backend.parameters_outside_warning(model) if hasattr(model, "named_parameters") else None
+    if partly:
+        sys.stderr.write(f"amp-compiler: warning: {partly.removeprefix('amp: ')}\n")
     if args.format == "json":
         text = json.dumps(plan.to_dict(), indent=2)
     elif args.format == "dot":

@@ -97,6 +97,9 @@ class TrainStep:
             why = self.backend.model_not_compiled()
             if why is not None and any(p.requires_grad for p in self._params):
                 raise RuntimeError(why)
+            partly = self.backend.parameters_outside_warning(self.model)
+            if partly:
+                log.warning(partly)
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()

@@ -85,6 +85,31 @@ def test_cli_inspect_says_when_dynamo_compiled_nothing(tmp_path, capsys):
     assert json.loads(out)["nodes"] == [] and "runs as written, in FP32" in err
 
 
+def test_cli_inspect_names_parameters_left_outside_every_graph(tmp_path, capsys):
+    """Experts behind a data-dependent loop run eagerly: inspect warns, naming them."""
+    factory = tmp_path / "routed.py"
+    factory.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.inp, self.router = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)\n"
+        "        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))\n"
+        "    def route(self, h):\n"
+        "        chosen, out = self.router(h).argmax(-1), torch.zeros_like(h)\n"
+        "        for e, expert in enumerate(self.experts):\n"
+        "            rows = torch.where(chosen == e)[0]\n"
+        "            out = out.index_add(0, rows, expert(h[rows]))\n"
+        "        return out\n"
+        "    def forward(self, x):\n"
+        "        return self.route(self.inp(x))\n"
+        "def make():\n"
+        "    return M(), torch.randn(6, 8)\n")
+    code, out, err = cli_here(capsys, "inspect", f"{factory}:make")
+    assert code == 0 and "LOW 1" in out  # inp compiled; the routing ran eagerly
+    assert "taken by no compiled graph" in err and "experts.0.weight" in err and "inp.weight" not in err
+
+
 def test_cli_inspect_json_schema():
     plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--format", "json"))
     assert plan["schema"] == "amp_compiler.plan/1"

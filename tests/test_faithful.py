@@ -459,6 +459,44 @@ def test_buffer_written_in_forward_stays_fp32_and_matches_eager():
     assert model.ema.abs().sum() > 0
 
 
+class TopKMoE(nn.Module):
+    """Top-2 routing written by hand: softmax gate, each token's two expert outputs weighted
+    and index_add_-ed into an FP32 buffer (torch.zeros_like of the FP32 input). Dense
+    dispatch keeps shapes static: a torch.where(mask) per expert inside the loop would make
+    Dynamo run the whole forward eagerly."""
+
+    def __init__(self, d=16, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(2, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        every = torch.stack([expert(x) for expert in self.experts])  # experts x tokens x d
+        tokens = torch.arange(x.shape[0])
+        picked = every[chosen, tokens[:, None]] * weights[..., None]  # tokens x 2 x d
+        out = torch.zeros_like(x)
+        out.index_add_(0, tokens.repeat_interleave(2), picked.flatten(0, 1))
+        return (x + out).pow(2).mean()
+
+
+def test_moe_index_add_of_16_bit_expert_outputs_into_fp32_buffer():
+    """The experts' matmuls run BF16; their weighted outputs meet the FP32 buffer in an
+    index_add_ (in-place: written in the buffer's dtype, FP32), so nothing raises a dtype
+    mismatch (torch.autocast on CPU does: its BF16 product meets the FP32 buffer) and every
+    expert gets its FP32 gradient."""
+    torch.manual_seed(0)
+    loss, ref_loss, model, ref, backend, rec = _step(TopKMoE(), (torch.randn(12, 16),))
+    added = [n for n in backend.plan().nodes if n.op.startswith("aten.index_add")]
+    assert added and all("fp32" in n.reason for n in added)
+    assert len([d for d in rec.dtypes_of(*MATMULS) if d[:2] == [torch.bfloat16] * 2]) >= 8
+    assert all(p.grad is not None for p in model.parameters())
+    assert cosine(grads(model), grads(ref)) >= 0.999
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
+
+
 def test_tied_weight_receives_both_gradients():
     torch.manual_seed(0)
     model = _Lm(tie=True)

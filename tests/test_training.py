@@ -613,3 +613,57 @@ def test_a_model_dynamo_does_not_compile_is_refused_not_trained_in_fp32(compile_
         step(torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state
+
+
+class RoutedExperts(nn.Module):
+    """Experts dispatched by a data-dependent torch.where inside a loop (Mixtral's
+    pattern): Dynamo cannot resume inside the loop, so it runs the whole routing
+    function eagerly; the embedding-side layer before it compiles."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 2)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def route(self, h):
+        chosen = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(chosen == e)[0]
+            out = out.index_add(0, rows, expert(h[rows]))
+        return out
+
+    def forward(self, x):
+        return self.head(self.route(self.inp(x)))
+
+
+def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
+    """Training goes on (the eager part is right, in FP32), but the user is told which
+    parameters got no 16-bit speed-up and why, once, at the first step."""
+    torch.manual_seed(0)
+    model = RoutedExperts()
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                           dtype="bf16", compile_options=INNER)
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    with caplog.at_level(logging.WARNING, logger="amp_compiler"):
+        step(x, y)
+        step(x, y)
+    warned = [r.getMessage() for r in caplog.records if "taken by no compiled graph" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "router.weight" in warned[0] and "experts.0.weight" in warned[0]
+    assert "inp.weight" not in warned[0] and "head.weight" not in warned[0]
+    assert set(step.backend.parameters_outside(model)) == {
+        f"{m}.{k}" for m in ("router", "experts.0", "experts.1") for k in ("weight", "bias")}
+
+
+def test_a_fully_compiled_model_gets_no_outside_warning(caplog):
+    model = TinyLM()
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss,
+                           dtype="bf16", compile_options=INNER)
+    ids = torch.randint(0, 64, (2, 8))
+    with caplog.at_level(logging.WARNING, logger="amp_compiler"):
+        step(ids, ids)
+    assert not [r for r in caplog.records if "taken by no compiled graph" in r.getMessage()]
+    assert step.backend.parameters_outside(model) == []

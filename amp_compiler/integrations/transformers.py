@@ -100,6 +100,9 @@ class AmpCallback(TrainerCallback):
             why = self.backend.model_not_compiled()
             if why is not None:
                 raise RuntimeError(why)
+            partly = self.backend.parameters_outside_warning(model)
+            if partly:
+                log.warning(partly)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
