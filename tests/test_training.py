@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import amp_compiler
 from amp_compiler import (LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step)
-from conftest import OpRecorder, recording_backend
+from conftest import OpRecorder, cosine, recording_backend
 
 INNER = {"inner": "aot_eager"}
 aten = torch.ops.aten
@@ -573,6 +573,50 @@ def test_compiled_loss_trains_as_the_loss_run_as_written(loss, dtype):
     assert joint == pytest.approx(plain, rel=2e-3, abs=1e-4)
     for a, b in zip(pj, pp):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_dpo_with_a_frozen_reference_inside_the_loss():
+    """DPO as TRL computes it: the loss calls a frozen copy of the model under no_grad, so
+    the reference forward compiles into the loss's graph. Its matmuls run BF16 too, its
+    weights take no gradient and do not move, and the policy's gradient matches FP32's
+    as closely as autocast's does."""
+    torch.manual_seed(0)
+    policy = TinyLM()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    frozen = copy.deepcopy(reference.state_dict())
+    g = torch.Generator().manual_seed(1)
+    chosen, rejected = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+
+    def dpo(logits, chosen, rejected):
+        with torch.no_grad():
+            ref_logits = reference(torch.cat([chosen, rejected]))
+        ids = torch.cat([chosen, rejected])
+        margin = _sequence_logp(logits, ids) - _sequence_logp(ref_logits, ids)
+        return -F.logsigmoid(0.1 * (margin[:2] - margin[2:])).mean()
+
+    def policy_grads(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    ref32, auto = copy.deepcopy(policy), copy.deepcopy(policy)
+    dpo(ref32(torch.cat([chosen, rejected])), chosen, rejected).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_auto = dpo(auto(torch.cat([chosen, rejected])), chosen, rejected)
+    loss_auto.backward()
+    rec = OpRecorder()
+    step = make_train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.1), dpo, dtype="bf16",
+                           grad_accum=2, compile_options={"inner": recording_backend(rec)})
+    step(torch.cat([chosen, rejected]), chosen, rejected)  # a micro-step: gradients kept
+    # policy forward, reference forward, policy backward: 2 + 2 + 4 matmuls, all BF16
+    low = [d for d in rec.dtypes_of(aten.mm, aten.addmm, aten.bmm) if d[:2] == [torch.bfloat16] * 2]
+    assert len(low) >= 8
+    assert all(p.grad is None for p in reference.parameters())
+    cos_amp = cosine(policy_grads(policy), policy_grads(ref32))
+    assert cos_amp >= cosine(policy_grads(auto), policy_grads(ref32)) - 1e-3 and cos_amp >= 0.999
+    step(torch.cat([chosen, rejected]), chosen, rejected)  # the update
+    assert all(torch.equal(frozen[k], v) for k, v in reference.state_dict().items())
 
 
 def test_every_training_step_in_a_process_keeps_its_loss_compiled():
