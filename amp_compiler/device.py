@@ -37,17 +37,43 @@ def native_dtypes(device: torch.device) -> tuple[frozenset[str], str]:
             return frozenset({"fp16"}), f"{name} has FP16 tensor cores, no BF16 (needs sm_80+)"
         return frozenset(), f"{name} has no 16-bit tensor cores"
     if device.type == "cpu":
-        bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
-        found = frozenset(d for d, ok in (("bf16", bf16), ("fp16", fp16)) if ok)
-        if bf16:
-            return found, "CPU with native BF16 (oneDNN)"
-        if fp16:
-            return found, "CPU with native FP16, no native BF16 (oneDNN)"
-        return found, "CPU without native BF16 or FP16 (oneDNN emulates them)"
+        return cpu_native(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                          torch.ops.mkldnn._is_mkldnn_fp16_supported(), _cpu_flags())
     if device.type == "mps":
         return frozenset({"bf16", "fp16"}), "Apple GPU"
     return frozenset(), f"no 16-bit capability probe for device type {device.type!r}"
+
+
+def cpu_native(onednn_bf16: bool, onednn_fp16: bool, flags: dict | None) -> tuple[frozenset[str], str]:
+    """``native_dtypes`` of a CPU from what oneDNN reports and the x86 instruction flags.
+
+    On x86, oneDNN also reports BF16 for AVX-512 without BF16 instructions (Skylake and
+    Cascade Lake Xeons), where it emulates BF16 arithmetic, slower than FP32 (oneDNN's and
+    OpenVINO's notes): not native. ``flags`` is ``torch.cpu.get_capabilities()`` on x86,
+    else None.
+    """
+    bf16 = onednn_bf16 and (flags is None or bool(flags.get("avx512_bf16") or flags.get("amx_bf16")))
+    fp16 = onednn_fp16 and (flags is None or bool(flags.get("avx512_fp16") or flags.get("amx_fp16")))
+    found = frozenset(d for d, ok in (("bf16", bf16), ("fp16", fp16)) if ok)
+    if bf16:
+        return found, "CPU with native BF16 (oneDNN)"
+    if fp16:
+        return found, "CPU with native FP16, no native BF16 (oneDNN)"
+    if onednn_bf16:
+        return found, ("CPU with AVX-512 but no BF16 instructions (oneDNN emulates BF16 there, "
+                       "slower than FP32)")
+    return found, "CPU without native BF16 or FP16 (oneDNN emulates them)"
+
+
+def _cpu_flags() -> dict | None:
+    get = getattr(torch.cpu, "get_capabilities", None)
+    try:
+        flags = get() if get is not None else None
+    except Exception:  # a probe must never stop a compile
+        return None
+    if not flags or flags.get("architecture") not in ("x86_64", "x86", "i386", "i686"):
+        return None
+    return flags
 
 
 def resolve_dtype(requested: str, device: torch.device) -> tuple[str, str]:

@@ -317,6 +317,24 @@ def test_autocast_disabled_region_is_pinned_fp32():
     assert plan.by_op("aten.linear")[0].precision == "LOW"
 
 
+X86 = {"architecture": "x86_64"}
+
+
+@pytest.mark.parametrize("onednn,flags,native,says", [
+    ((True, False), {**X86, "avx512_bf16": True}, {"bf16"}, "native BF16"),  # Zen4, Cooper Lake
+    ((True, True), {**X86, "amx_bf16": True, "avx512_fp16": True}, {"bf16", "fp16"}, "native BF16"),
+    ((True, False), {**X86, "avx512_f": True}, set(), "no BF16 instructions"),  # Skylake-X, Cascade Lake
+    ((False, False), {**X86, "avx2": True}, set(), "emulates"),  # Zen3: no AVX-512
+    ((False, True), {**X86, "avx512_fp16": True}, {"fp16"}, "native FP16"),
+    ((True, False), None, {"bf16"}, "native BF16"),  # not x86 (ARM with BF16): oneDNN decides
+])
+def test_cpu_native_dtypes_need_the_instructions_not_only_onednn(onednn, flags, native, says):
+    """oneDNN says BF16 for any AVX-512 CPU; without BF16 instructions it computes in FP32
+    after converting, no faster than FP32, so auto must not pick it there."""
+    found, about = amp_compiler.device.cpu_native(*onednn, flags)
+    assert found == native and says in about
+
+
 def test_auto_dtype_falls_back_to_fp16_without_bf16(monkeypatch):
     """dtype='auto' picks FP16 when the probe says no BF16, and records why."""
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
