@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import traceback
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from .plan import GraphPlan
 from .policy import LOW_DTYPES, Precision
 
 log = logging.getLogger("amp_compiler")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in the exporter's and ORT's messages
 TARGETS = ("cuda", "cpu")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 # ONNX ops the policy keeps in FP32: a 16-bit one in the export breaks the plan.
@@ -309,7 +311,7 @@ def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=Non
                 f"torch.onnx.export failed: ONNX has no translation for {missing.group(1)}, which "
                 "the model computes; export a forward that does not need it (e.g. without the "
                 "inputs that make the model compute its loss)") from e
-        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).splitlines()[0])  # the exporter's colours
+        first = _ANSI.sub("", str(e).splitlines()[0])  # the exporter's colours
         raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {first}") from e
 
 
@@ -399,9 +401,36 @@ def _ort_run(model_or_path, feeds: dict, providers: list[str], disable_opt: bool
     if providers == ["CUDAExecutionProvider"]:
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     data = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
-    sess = ort.InferenceSession(data, so, providers=providers)
-    names = {i.name for i in sess.get_inputs()}
-    return sess.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in names})
+    try:
+        sess = ort.InferenceSession(data, so, providers=providers)
+        names = {i.name for i in sess.get_inputs()}
+        return sess.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in names})
+    except Exception as e:  # ORT's own exception types; none is an ExportError
+        raise ExportError(_ort_failure(e, providers[0])) from e
+
+
+_RANDOM_ONNX_OPS = {"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                    "Multinomial", "Bernoulli"}
+
+
+def _ort_failure(e: Exception, provider: str) -> str:
+    said = _ANSI.sub("", str(e)).strip()
+    return (f"ONNX Runtime's {provider} could not run the exported graph: {said}. Nothing was "
+            "written; `amp-compiler inspect <file>.onnx --ep cpu|cuda` on an export made with "
+            "check=False (--no-check) lists the nodes the provider has no kernel for")
+
+
+def _refuse_random(model) -> None:
+    """A forward that samples at inference has no output to compare: say so before ORT runs."""
+    random = Counter(n.op_type for n in model.graph.node if n.op_type in _RANDOM_ONNX_OPS)
+    if random:
+        ops = ", ".join(f"{op} x{k}" for op, k in sorted(random.items()))
+        raise ExportError(
+            f"the exported forward draws random numbers at inference ({ops}; dropout is off in "
+            "eval mode, so the model samples by itself, e.g. Informer's ProbSparse attention), so "
+            "its outputs cannot be checked against PyTorch's. Make the forward deterministic in "
+            "eval mode (or behind a flag), or export with check=False (--no-check) to write the "
+            "file unchecked")
 
 
 def _inner_control(model, feeds: dict, limit: int = 64) -> str:
@@ -509,6 +538,7 @@ def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=Non
     tol = tolerance if tolerance is not None else {"bf16": 0.05, "fp16": 0.01, "fp32": 1e-4}[dtype]
     cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     result: dict[str, Any] = {}
+    _refuse_random(onnx.load(path, load_external_data=False))
     if dtype == "bf16" and not (cuda and target == "cuda"):
         model = onnx.load(path)
         got = _ort_run(emulate_low(model), feeds, ["CPUExecutionProvider"], disable_opt=True)

@@ -211,6 +211,41 @@ def test_export_of_a_value_dependent_branch_says_where_and_what_to_do(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class Sampling(torch.nn.Module):
+    """Samples in its eval forward, as Informer's ProbSparse attention picks random keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + 0.01 * torch.rand_like(h)
+
+
+def test_export_of_a_forward_that_samples_says_so_instead_of_failing_parity(tmp_path):
+    """Its outputs cannot match PyTorch's: a clear refusal naming the random op, no file;
+    with the checks off the file is written."""
+    with pytest.raises(ExportError, match=r"draws random numbers at inference \(RandomUniformLike x1.*check=False"):
+        export_onnx(Sampling().eval(), (torch.randn(2, 8),), str(tmp_path / "s.onnx"))
+    assert list(tmp_path.iterdir()) == []
+    export_onnx(Sampling().eval(), (torch.randn(2, 8),), str(tmp_path / "s.onnx"), check=False)
+    assert (tmp_path / "s.onnx").exists()
+
+
+def test_an_onnx_runtime_failure_is_an_export_error_naming_the_provider(tmp_path, monkeypatch):
+    """ORT's own exception types (NOT_IMPLEMENTED for a kernel it lacks) become an
+    ExportError that says which provider failed and how to list the nodes; no file."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an "
+                           "implementation for Foo(1) node with name 'n0'")
+
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    with pytest.raises(ExportError, match=r"CPUExecutionProvider could not run.*Foo\(1\).*inspect"):
+        export_onnx(TinyLM(), (torch.randint(0, 16, (2, 6)),), str(tmp_path / "t.onnx"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_traces_distribution_heads_and_leaves_validation_as_it_was(tmp_path):
     """torch.distributions checks its arguments with Python branches on values (Informer's
     Student-t head); torch.compile turns the checks off for the whole process, the export
