@@ -168,14 +168,17 @@ class AmpBackend:
                     "graph, or report the model; amp will not train it in FP32 in silence.")
         return None
 
-    def parameters_outside(self, model: torch.nn.Module) -> list[str]:
+    def parameters_outside(self, model: torch.nn.Module, used: set[int] | None = None) -> list[str]:
         """Trainable parameters of ``model`` that no compiled graph took: the code using them
         ran as written, in FP32 (a graph break Dynamo could not resume from, such as one
-        inside a loop, runs the whole frame eagerly)."""
+        inside a loop, runs the whole frame eagerly). ``used``: ids of the parameters the
+        step used (those with a gradient after backward); the others are left out, since a
+        parameter the forward never touches is in no graph either."""
         return [name for name, p in model.named_parameters()
-                if p.requires_grad and id(p) not in self.parameter_ids]
+                if p.requires_grad and id(p) not in self.parameter_ids
+                and (used is None or id(p) in used)]
 
-    def parameters_outside_warning(self, model: torch.nn.Module) -> str | None:
+    def parameters_outside_warning(self, model: torch.nn.Module, used: set[int] | None = None) -> str | None:
         """After a training step: which trainable parameters ran outside every compiled graph,
         in words for a warning, or None (all were compiled, or nothing was: that case is
         ``model_not_compiled``'s)."""
@@ -183,7 +186,7 @@ class AmpBackend:
 
         if self.with_parameters == 0 or any(isinstance(p, DTensor) for p in model.parameters()):
             return None  # FSDP2 hands the graphs unsharded copies, never the DTensors themselves
-        outside = self.parameters_outside(model)
+        outside = self.parameters_outside(model, used)
         if not outside:
             return None
         total = sum(p.requires_grad for p in model.parameters())

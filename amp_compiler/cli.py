@@ -86,6 +86,25 @@ NOTHING_COMPILED = (
     "gives up on; TORCH_LOGS=graph_breaks shows where)")
 
 
+def _touched(model, margs, mkwargs) -> set[int]:
+    """ids of the parameters one eager forward reads (a parameter it never reads is in no
+    graph either, and is no sign of code run outside them)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    params, seen = {id(p) for p in model.parameters()}, set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.update(id(a) for a in tree_leaves((args, kwargs)) if id(a) in params)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Reads():
+        model(*margs, **mkwargs)
+    return seen
+
+
 def cmd_inspect(args) -> int:
     if args.target.endswith(".onnx"):
         return _inspect_onnx(args)
@@ -98,7 +117,9 @@ def cmd_inspect(args) -> int:
     plan = backend.plan()
     if backend.compiled == 0 and args.format != "table":  # the table says it itself
         sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
-    partly = backend.parameters_outside_warning(model) if hasattr(model, "named_parameters") else None
+    partly = None
+    if hasattr(model, "named_parameters") and backend.with_parameters:
+        partly = backend.parameters_outside_warning(model, _touched(model, margs, mkwargs))
     if partly:
         sys.stderr.write(f"amp-compiler: warning: {partly.removeprefix('amp: ')}\n")
     if args.format == "json":

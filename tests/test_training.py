@@ -670,6 +670,7 @@ class RoutedExperts(nn.Module):
         self.router = nn.Linear(8, 2)
         self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
         self.head = nn.Linear(8, 4)
+        self.spare = nn.Linear(8, 8)  # built, never called (as a checkpoint's unused head)
 
     def route(self, h):
         chosen = self.router(h).argmax(-1)
@@ -696,10 +697,12 @@ def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
         step(x, y)
     warned = [r.getMessage() for r in caplog.records if "taken by no compiled graph" in r.getMessage()]
     assert len(warned) == 1, warned
-    assert "router.weight" in warned[0] and "experts.0.weight" in warned[0]
-    assert "inp.weight" not in warned[0] and "head.weight" not in warned[0]
+    assert "4 of 12 trainable parameters" in warned[0] and "experts.0.weight" in warned[0]
+    # the router gets no gradient (argmax), the spare layer is never called: neither is named
+    assert "inp." not in warned[0] and "head." not in warned[0] and "router." not in warned[0]
+    assert "spare." not in warned[0]
     assert set(step.backend.parameters_outside(model)) == {
-        f"{m}.{k}" for m in ("router", "experts.0", "experts.1") for k in ("weight", "bias")}
+        f"{m}.{k}" for m in ("router", "experts.0", "experts.1", "spare") for k in ("weight", "bias")}
 
 
 def test_a_fully_compiled_model_gets_no_outside_warning(caplog):

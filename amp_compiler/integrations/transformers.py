@@ -100,7 +100,8 @@ class AmpCallback(TrainerCallback):
             why = self.backend.model_not_compiled()
             if why is not None:
                 raise RuntimeError(why)
-            partly = self.backend.parameters_outside_warning(model)
+            partly = self.backend.parameters_outside_warning(
+                model, {id(p) for p in model.parameters() if p.grad is not None})
             if partly:
                 log.warning(partly)
         if self.scaler is None:
