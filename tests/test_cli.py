@@ -1,5 +1,6 @@
-"""The CLI, driven as a user would: a subprocess per command (a test's further commands may
-run in-process, ``ok_here``)."""
+"""The CLI, driven as a user would: through a subprocess where the entry point, the
+terminal view, exit codes or the demo are what is tested; in-process (``ok_here``, the same
+``main``) for the output formats, where start-up and imports were most of the time."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def test_cli_inspect_names_parameters_left_outside_every_graph(tmp_path, capsys)
     assert "taken by no compiled graph" in err and "experts.0.weight" in err and "inp.weight" not in err
 
 
-def test_cli_inspect_json_schema():
-    plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--format", "json"))
+def test_cli_inspect_json_schema(capsys):
+    plan = json.loads(ok_here(capsys, "inspect", f"{MODELS}:tiny", "--format", "json"))
     assert plan["schema"] == "amp_compiler.plan/1"
     for node in plan["nodes"]:
         assert node["precision"] in {"LOW", "FP32", "PROMOTE", "PASSTHROUGH"} and node["reason"]
@@ -121,10 +122,10 @@ def test_cli_inspect_json_schema():
     assert plan["summary"]["casts"] > 0
 
 
-def test_cli_inspect_dot_parses_as_a_graph(tmp_path):
+def test_cli_inspect_dot_parses_as_a_graph(tmp_path, capsys):
     pydot = pytest.importorskip("pydot")
     out = tmp_path / "plan.dot"
-    ok("inspect", f"{MODELS}:tiny", "--format", "dot", "-o", str(out))
+    ok_here(capsys, "inspect", f"{MODELS}:tiny", "--format", "dot", "-o", str(out))
     graphs = pydot.graph_from_dot_data(out.read_text())
     assert graphs and graphs[0].get_name() == "amp"
     text = out.read_text()
@@ -149,9 +150,9 @@ class _Checker(html.parser.HTMLParser):
         self.stack.pop()
 
 
-def test_cli_inspect_html_is_well_formed_and_renders(tmp_path):
+def test_cli_inspect_html_is_well_formed_and_renders(tmp_path, capsys):
     out = tmp_path / "plan.html"
-    ok("inspect", f"{MODELS}:tiny", "--format", "html", "-o", str(out))
+    ok_here(capsys, "inspect", f"{MODELS}:tiny", "--format", "html", "-o", str(out))
     text = out.read_text()
     checker = _Checker()
     checker.feed(text)
@@ -176,7 +177,7 @@ def _chromium(chromium, tmp_path, *args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_path):
+def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_path, capsys):
     factory = tmp_path / "deep.py"
     factory.write_text(
         "import torch, torch.nn as nn\n"
@@ -196,10 +197,10 @@ def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_pat
         "        return x\n"
         "def make():\n"
         "    return Deep(), torch.randn(2, 16)\n")
-    tree = ok("inspect", f"{factory}:make")  # the terminal view folds the 48 alike blocks
+    tree = ok_here(capsys, "inspect", f"{factory}:make")  # the terminal view folds the 48 alike blocks
     assert "0 .. 47: 48 alike" in tree and len(tree.splitlines()) < 30
     out = tmp_path / "deep.html"
-    ok("inspect", f"{factory}:make", "--format", "html", "-o", str(out))
+    ok_here(capsys, "inspect", f"{factory}:make", "--format", "html", "-o", str(out))
     size = out.stat().st_size
     assert size < 1_000_000, size
     text = out.read_text()
@@ -213,29 +214,29 @@ def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_pat
     assert "data-done" in dom and seconds < 20, seconds
 
 
-def test_cli_inspect_inputs_from_command_line():
-    out = ok("inspect", f"{MODELS}:tiny_model_only", "--input", "2x8:int64:0-50",
+def test_cli_inspect_inputs_from_command_line(capsys):
+    out = ok_here(capsys, "inspect", f"{MODELS}:tiny_model_only", "--input", "2x8:int64:0-50",
              "--format", "json")
     assert json.loads(out)["nodes"]
 
 
-def test_cli_inspect_fp16_and_pins():
-    plan = json.loads(ok("inspect", f"{MODELS}:tiny", "--dtype", "fp16", "--fp32-module", "^head$",
+def test_cli_inspect_fp16_and_pins(capsys):
+    plan = json.loads(ok_here(capsys, "inspect", f"{MODELS}:tiny", "--dtype", "fp16", "--fp32-module", "^head$",
                          "--format", "json"))
     assert plan["dtype"] == "fp16"
     head = [n for n in plan["nodes"] if n["module"] == "head"]
     assert head and all(n["precision"] == "FP32" for n in head)
 
 
-def test_cli_doctor_names_the_overflowing_op_and_fixes_it():
-    out = ok("doctor", f"{OVERFLOW}:make")
+def test_cli_doctor_names_the_overflowing_op_and_fixes_it(capsys):
+    out = ok_here(capsys, "doctor", f"{OVERFLOW}:make")
     assert "[fp16]" in out and "first Inf/NaN: node 'mul_1' (aten.mul.Tensor" in out
     assert "beyond FP16 range (|x| > 65504): node 'mul_1'" in out
     assert "proposed pins: fp32_modules=" in out and "re-run [fp16] with pins: fixed" in out
 
 
-def test_cli_doctor_clean_model_needs_no_pins():
-    out = ok("doctor", f"{MODELS}:tiny", "--dtype", "bf16")
+def test_cli_doctor_clean_model_needs_no_pins(capsys):
+    out = ok_here(capsys, "doctor", f"{MODELS}:tiny", "--dtype", "bf16")
     assert "first Inf/NaN: none" in out and "no pins needed" in out
 
 
@@ -286,18 +287,18 @@ def _bf16_onnx(path, with_reduce=False):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]), str(path))
 
 
-def test_cli_inspect_onnx_histogram_casts_and_kernels(tmp_path):
+def test_cli_inspect_onnx_histogram_casts_and_kernels(tmp_path, capsys):
     path = tmp_path / "m.onnx"
     _bf16_onnx(path, with_reduce=True)
-    report = json.loads(ok("inspect", str(path), "--ep", "cpu", "--format", "json"))
+    report = json.loads(ok_here(capsys, "inspect", str(path), "--ep", "cpu", "--format", "json"))
     hist = {(h["op"], h["dtype"]): h["count"] for h in report["histogram"]}
     assert hist[("MatMul", "bf16")] == 1 and hist[("Softmax", "fp32")] == 1
     assert report["casts"] == {"fp32->bf16": 1, "bf16->fp32": 1}
     cpu_bad = {u["op"] for u in report["unsupported"]}
     assert cpu_bad == {"MatMul", "ReduceMean"}
-    cuda = json.loads(ok("inspect", str(path), "--ep", "cuda", "--format", "json"))
+    cuda = json.loads(ok_here(capsys, "inspect", str(path), "--ep", "cuda", "--format", "json"))
     assert {u["op"] for u in cuda["unsupported"]} == {"ReduceMean"}
-    assert "no CPU kernel" in ok("inspect", str(path), "--ep", "cpu")
+    assert "no CPU kernel" in ok_here(capsys, "inspect", str(path), "--ep", "cpu")
 
 
 def test_cli_demo_runs_and_compares(tmp_path):
