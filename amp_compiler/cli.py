@@ -86,13 +86,16 @@ NOTHING_COMPILED = (
     "gives up on; TORCH_LOGS=graph_breaks shows where)")
 
 
-def _touched(model, margs, mkwargs) -> set[int]:
+def _touched(model, margs, mkwargs) -> set[int] | None:
     """ids of the parameters one eager forward reads (a parameter it never reads is in no
-    graph either, and is no sign of code run outside them)."""
+    graph either, and is no sign of code run outside them); None when that cannot be told
+    (not a module, or its eager forward fails): then nothing is said."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    if not isinstance(model, torch.nn.Module):
+        return None
     params, seen = {id(p) for p in model.parameters()}, set()
 
     class Reads(TorchDispatchMode):
@@ -100,8 +103,11 @@ def _touched(model, margs, mkwargs) -> set[int]:
             seen.update(id(a) for a in tree_leaves((args, kwargs)) if id(a) in params)
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), Reads():
-        model(*margs, **mkwargs)
+    try:
+        with torch.no_grad(), Reads():
+            model(*margs, **mkwargs)
+    except Exception:  # the plan is already shown; this is only a warning
+        return None
     return seen
 
 
@@ -117,9 +123,8 @@ def cmd_inspect(args) -> int:
     plan = backend.plan()
     if backend.compiled == 0 and args.format != "table":  # the table says it itself
         sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
-    partly = None
-    if hasattr(model, "named_parameters") and backend.with_parameters:
-        partly = backend.parameters_outside_warning(model, _touched(model, margs, mkwargs))
+    used = _touched(model, margs, mkwargs) if backend.with_parameters else None
+    partly = backend.parameters_outside_warning(model, used) if used is not None else None
     if partly:
         sys.stderr.write(f"amp-compiler: warning: {partly.removeprefix('amp: ')}\n")
     if args.format == "json":
