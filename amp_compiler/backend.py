@@ -198,6 +198,14 @@ class AmpBackend:
                 "nn.LSTM). Their gradients are right but get no 16-bit speed-up; "
                 "TORCH_LOGS=graph_breaks shows where.")
 
+    def warn_parameters_outside(self, model: torch.nn.Module) -> None:
+        """After the first backward: log ``parameters_outside_warning`` for the parameters
+        the step used (those with a gradient), if any ran outside every graph."""
+        said = self.parameters_outside_warning(
+            model, {id(p) for p in model.parameters() if p.grad is not None})
+        if said:
+            log.warning(said)
+
     def reset(self) -> None:
         self.records.clear()
         self.compiled = self.with_parameters = 0

@@ -78,7 +78,6 @@ class TrainStep:
         joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
         self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
         self.micro_step = 0
-        self._outside_checked = False
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -94,19 +93,16 @@ class TrainStep:
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
         self._batch = inputs
         loss = self.loss(inputs, *targets)
-        if self.plan_fingerprint is None:
+        first = self.plan_fingerprint is None  # this process's first step (also after a resume)
+        if first:
             why = self.backend.model_not_compiled()
             if why is not None and any(p.requires_grad for p in self._params):
                 raise RuntimeError(why)
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()
-        if not self._outside_checked:  # the first backward shows which parameters the model used
-            self._outside_checked = True
-            partly = self.backend.parameters_outside_warning(
-                self.model, {id(p) for p in self.model.parameters() if p.grad is not None})
-            if partly:
-                log.warning(partly)
+        if first:  # the first backward shows which parameters the model used
+            self.backend.warn_parameters_outside(self.model)
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step

@@ -100,10 +100,7 @@ class AmpCallback(TrainerCallback):
             why = self.backend.model_not_compiled()
             if why is not None:
                 raise RuntimeError(why)
-            partly = self.backend.parameters_outside_warning(
-                model, {id(p) for p in model.parameters() if p.grad is not None})
-            if partly:
-                log.warning(partly)
+            self.backend.warn_parameters_outside(model)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
