@@ -14,7 +14,9 @@ import sys
 import time
 
 import pytest
+import torch
 
+from amp_compiler.device import resolve_dtype
 from conftest import cli_here
 
 HERE = os.path.dirname(__file__)
@@ -302,5 +304,9 @@ def test_cli_inspect_onnx_histogram_casts_and_kernels(tmp_path, capsys):
 
 
 def test_cli_demo_runs_and_compares(tmp_path):
+    # auto decides by the hardware: BF16 where it is native, FP32 where 16 bit is emulated
+    choice, reason = resolve_dtype("auto", torch.device("cpu"))
     out = ok("demo", "--steps", "4", "--inner", "eager")
-    assert "Precision plan: bf16" in out and "amp speed vs FP32" in out and "amp-bf16" in out
+    first = " ".join(out.split("\n")[:2]).split()
+    assert first[:2] == ["Precision:", choice] and " ".join(reason.split()[:3]) in " ".join(first)
+    assert f"Precision plan: {choice}" in out and "amp speed vs FP32" in out and f"amp-{choice}" in out

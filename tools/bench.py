@@ -459,6 +459,8 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
             v.result["vs_fp32_eager"] = ref["fp32-eager"] / v.result["step_ms"]
         if "autocast-inductor" in ref:
             v.result["vs_autocast_inductor"] = v.result["step_ms"] / ref["autocast-inductor"]
+        if "fp32-inductor" in ref:
+            v.result["vs_fp32_inductor"] = v.result["step_ms"] / ref["fp32-inductor"]
     return {"size": size, "flops_per_step": flops, "variants": {v.name: v.result for v in vs}}
 
 
@@ -478,8 +480,17 @@ def machine(device: str, dtype: str, reason: str) -> dict:
 
 # ----------------------------------------------------------------------------- output
 
-COLUMNS = ("step ms", "vs fp32 eager", "vs autocast+inductor", "paired", "infer ms", "saved MiB",
+COLUMNS = ("step ms", "vs fp32 eager", "vs {base}", "paired", "infer ms", "saved MiB",
            "first call s", "casts", "grad cos")
+
+
+LABEL = {"autocast-inductor": "autocast+inductor", "fp32-inductor": "fp32-inductor", None: "autocast+inductor"}
+
+
+def baseline(workload: dict) -> str | None:
+    """The variant the ratio columns divide by: Inductor + autocast, or Inductor FP32 in a run
+    without 16-bit variants (``auto`` where 16 bit is emulated: the target there is FP32's)."""
+    return next((n for n in ("autocast-inductor", "fp32-inductor") if n in workload["variants"]), None)
 
 
 def paired_ratio(samples: list[float], base: list[float]) -> float:
@@ -491,11 +502,12 @@ def paired_ratio(samples: list[float], base: list[float]) -> float:
 
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
-    base = workload["variants"].get("autocast-inductor", {}).get("step_ms_samples")
+    base = workload["variants"].get(baseline(workload) or "", {})
     for name, r in workload["variants"].items():
-        paired = f"{paired_ratio(r['step_ms_samples'], base):.2f}" if base else "-"
+        paired = f"{paired_ratio(r['step_ms_samples'], base['step_ms_samples']):.2f}" if base else "-"
+        ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
         out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x" if "vs_fp32_eager" in r else "-",
-                    f"{r['vs_autocast_inductor']:.2f}" if "vs_autocast_inductor" in r else "-", paired,
+                    ratio, paired,
                     f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
                     f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
                     f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-")
@@ -509,11 +521,12 @@ def markdown(results: dict) -> str:
     lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_kind']}, {m['threads']} threads)"
              + (f", {m['gpu']}" if "gpu" in m else "") + f", torch {m['torch']}, dtype {m['dtype']}"
              f" ({m['dtype_reason']}); `{m['command']}`. Medians of interleaved repetitions; "
-             "`vs autocast+inductor` is the ratio of median step times (below 1 is faster); `paired` the "
-             "median of the ratios within each repetition, which a busy machine moves less.", ""]
+             "`vs autocast+inductor` (`vs fp32-inductor` in a run without 16-bit variants) is the ratio "
+             "of median step times (below 1 is faster); `paired` the median of the ratios within each "
+             "repetition, which a busy machine moves less.", ""]
     for name, w in results["workloads"].items():
         extra = ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
-        head = ("variant",) + COLUMNS + extra
+        head = ("variant",) + tuple(c.format(base=LABEL.get(baseline(w), LABEL[None])) for c in COLUMNS) + extra
         lines += [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(w)]
         lines.append("")
