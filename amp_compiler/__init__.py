@@ -1,6 +1,6 @@
 """amp-compiler: automatic mixed precision as a torch.compile backend.
 
-    torch.compile(model, backend="amp")                      # BF16 by default
+    torch.compile(model, backend="amp")                      # BF16 where native, else FP32
     torch.compile(model, backend="amp", options={"dtype": "fp16"})
     amp_compiler.explain(model, x).format_table()            # what runs in what, and why
 """

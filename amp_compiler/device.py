@@ -76,8 +76,12 @@ def _cpu_flags() -> dict | None:
     return flags
 
 
-def resolve_dtype(requested: str, device: torch.device) -> tuple[str, str]:
-    """Turn "bf16" / "fp16" / "fp32" / "auto" into a concrete choice and its reason."""
+def resolve_dtype(requested: str, device: torch.device, *, loss_scaling: bool = True) -> tuple[str, str]:
+    """Turn "bf16" / "fp16" / "fp32" / "auto" into a concrete choice and its reason.
+
+    ``loss_scaling``: whether the caller scales the loss (the training step does); without
+    it ``auto`` never picks FP16, whose small gradients underflow to zero unscaled.
+    """
     native, about = native_dtypes(device)
     if requested != "auto":
         if requested != "fp32" and requested not in native:
@@ -86,8 +90,12 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[str, str]:
         return requested, f"dtype={requested!r} requested"
     if "bf16" in native:
         choice, reason = "bf16", f"auto: {about}"
-    elif "fp16" in native:
+    elif "fp16" in native and loss_scaling:
         choice, reason = "fp16", f"auto: {about}; FP16 with dynamic loss scaling"
+    elif "fp16" in native:
+        choice, reason = "fp32", (f"auto: {about}; FP32, since FP16 needs loss scaling, which the "
+                                  "backend alone does not apply (make_train_step does; or pass "
+                                  "dtype='fp16' and use torch.amp.GradScaler)")
     else:
         choice, reason = "fp32", (f"auto: {about}; FP32, since 16 bit would run slower "
                                   "(the plan is still recorded, not applied)")

@@ -32,9 +32,12 @@ class AmpOptionsError(ValueError):
 class AmpOptions:
     """Everything the backend can be told.
 
-    dtype: "bf16" (default), "fp16", "fp32" (graph handed on unchanged, the BF16
-        plan recorded only) or "auto" (what the device runs fast: BF16, else FP16,
-        else FP32; the choice and reason are recorded).
+    dtype: "auto" (default: BF16 where the device computes it natively, else FP32,
+        so the one-line backend is never slower than plain ``torch.compile``; never
+        FP16, which needs a loss scaler the backend cannot apply: ``make_train_step``
+        picks FP16 with dynamic loss scaling where only FP16 is native), "bf16",
+        "fp16" or "fp32" (graph handed on unchanged, the BF16 plan recorded only).
+        The choice and its reason are recorded in the plan.
     inner: code generator that receives the rewritten graph: "inductor",
         "aot_eager", "eager", or a callable ``(gm, example_inputs) -> callable``.
     low_ops / fp32_ops / promote_ops / passthrough_ops: ATen ops forced into that
@@ -49,8 +52,9 @@ class AmpOptions:
         for the Inductor inner compiler. 1.0 saves for backward what the
         speed-first partition saves; below it, cheap ops (casts, pointwise
         chains, residual adds) are recomputed in backward instead of saved.
-        None (default): 0.8 (23-29% fewer saved bytes at the same step time,
-        interleaved, native-BF16 CPU: LMs, Llama, encoder, CNN). A graph with
+        None (default): 0.8 in a 16-bit plan (23-29% fewer saved bytes at the same
+        step time, interleaved, native-BF16 CPU: LMs, Llama, encoder, CNN), 1.0
+        (Inductor's own) where the dtype is FP32 (the plan not applied). A graph with
         random ops (dropout) always gets 1.0: below it the partitioner may
         recompute dropout in backward with a new mask.
     attention: how ``scaled_dot_product_attention`` runs in a 16-bit plan. "auto"
@@ -66,7 +70,7 @@ class AmpOptions:
         overrides join these options; options given explicitly beside it win.
     """
 
-    dtype: str = "bf16"
+    dtype: str = "auto"
     inner: str | Callable = "inductor"
     low_ops: tuple = ()
     fp32_ops: tuple = ()

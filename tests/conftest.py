@@ -23,6 +23,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _cpu_as_native_bf16(monkeypatch):
+    """The suite tests the same program on either CPU kind: ``dtype="auto"`` (the default)
+    resolves as on a CPU with native BF16, also where BF16 is emulated (the 16-bit path is
+    then exercised, slower, instead of the FP32 one). Tests of the decision itself replace
+    ``native_dtypes`` again; subprocesses see the real machine."""
+    import amp_compiler.device
+
+    real = amp_compiler.device.native_dtypes
+
+    def native(device):
+        found, about = real(device)
+        if device.type == "cpu" and "bf16" not in found:
+            return found | {"bf16"}, f"CPU taken as native BF16 by the tests ({about})"
+        return found, about
+
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", native)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -162,6 +181,9 @@ def cli_here(capsys, *args) -> tuple[int, str, str]:
     from amp_compiler.cli import main
 
     capsys.readouterr()
-    code = main(list(args))
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
+        code = e.code
     out, err = capsys.readouterr()
     return code, out, err

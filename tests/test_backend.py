@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_compiler
+import amp_compiler.backend
+import amp_compiler.device
 from amp_compiler import AmpBackend, AmpOptionsError
 
 from conftest import MLP, Attention, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
@@ -180,12 +182,16 @@ def test_backend_resolves_by_name_in_fresh_interpreter():
         m = torch.nn.Linear(8, 8)
         out = torch.compile(m, backend="amp", options={"inner": "eager"})(torch.randn(2, 8))
         from amp_compiler import amp
+        from amp_compiler.device import resolve_dtype
         plan = amp.plan()
-        print(out.dtype, plan.summary()["nodes"]["LOW"], plan.summary()["casts"])
+        # the default is auto: BF16 where this CPU has it natively, else FP32 (plan not applied)
+        auto = resolve_dtype("auto", torch.device("cpu"), loss_scaling=False)[0]
+        print(out.dtype, plan.summary()["nodes"]["LOW"], plan.summary()["casts"],
+              plan.dtype == auto, plan.graphs[0].applied == (auto == "bf16"))
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["torch.float32", "1", "4"]
+    assert res.stdout.split() == ["torch.float32", "1", "4", "True", "True"]
 
 
 def test_backend_options_through_torch_compile():
@@ -335,15 +341,20 @@ def test_cpu_native_dtypes_need_the_instructions_not_only_onednn(onednn, flags, 
     assert found == native and says in about
 
 
-def test_auto_dtype_falls_back_to_fp16_without_bf16(monkeypatch):
-    """dtype='auto' picks FP16 when the probe says no BF16, and records why."""
+def test_auto_dtype_without_bf16_is_fp32_for_the_backend_alone(monkeypatch):
+    """Only FP16 native (a V100): the backend alone cannot scale the loss, so auto keeps FP32
+    and says how to get FP16 (the training step picks FP16 with loss scaling there)."""
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
                         lambda device: (frozenset({"fp16"}), "fake device without BF16"))
-    backend = AmpBackend(dtype="auto", inner="eager")
+    backend = AmpBackend(inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
     rec = backend.records[0]
-    assert rec.dtype == "fp16"
-    assert "fake device without BF16" in rec.dtype_reason and "FP16" in rec.dtype_reason
+    assert rec.dtype == "fp32" and not rec.plan.applied
+    assert "fake device without BF16" in rec.dtype_reason and "loss scaling" in rec.dtype_reason
+    assert "GradScaler" in rec.dtype_reason and "make_train_step" in rec.dtype_reason
+    backend = AmpBackend(dtype="fp16", inner="eager")  # asked for: done, no warning needed
+    torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
+    assert backend.records[0].dtype == "fp16"
 
 
 def test_auto_dtype_picks_bf16_when_supported(monkeypatch):
@@ -368,7 +379,8 @@ def test_auto_dtype_is_fp32_without_fast_16_bit_and_hands_the_graph_on(monkeypat
 
     rec = OpRecorder()
     model = MLP()
-    backend = AmpBackend(dtype="auto", inner=inner)
+    backend = AmpBackend(inner=inner)  # the default: what backend="amp" runs
+    assert backend.options.dtype == "auto"
     x = torch.randn(2, 16)
     out = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
@@ -380,6 +392,24 @@ def test_auto_dtype_is_fp32_without_fast_16_bit_and_hands_the_graph_on(monkeypat
     plan = backend.plan()
     assert plan.by_op("aten.linear")[0].precision == "LOW"  # what BF16 would have done
     assert "run as written" in plan.format_summary()
+
+
+def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkeypatch):
+    """Under FP32 the inner compiler gets Inductor's own memory budget (1.0, plain
+    torch.compile's program); a 16-bit plan gets amp's default, an explicit one always wins."""
+    budgets = []
+
+    def inner(name, mode, budget):
+        budgets.append(budget)
+        return lambda gm, ex: gm.forward
+
+    monkeypatch.setattr(amp_compiler.backend, "_inner_compiler", inner)
+    for native, options in ((frozenset(), {}), (frozenset({"bf16"}), {}),
+                            (frozenset(), {"memory_budget": 0.5})):
+        monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d, n=native: (n, "fake"))
+        torch._dynamo.reset()
+        torch.compile(MLP(), backend=AmpBackend(**options))(torch.randn(2, 16))
+    assert budgets == [1.0, None, 0.5]
 
 
 def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_factor(monkeypatch, caplog):

@@ -83,6 +83,7 @@ class AmpCallback(TrainerCallback):
                              "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)")
         self.dtype, self.reason = resolve_dtype(self.requested, device)
         self.backend = AmpBackend(self.options, dtype=self.dtype)
+        self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
         forward = torch.compile(model.forward, backend=self.backend)
         if self.dtype == "fp16":
             self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
