@@ -2,11 +2,12 @@
 
 ``auto`` picks BF16 where the device computes it natively (CUDA sm_80+, a CPU
 whose oneDNN reports native BF16), FP16 with dynamic loss scaling where only
-FP16 is native (CUDA sm_70/sm_75, a CPU with native FP16), and otherwise FP32:
-a CPU without native BF16 emulates it ~37x slower than FP32, so mixed precision
-there would be correct and useless. An explicit "bf16"/"fp16" on such a device
-still does what was asked, with one WARNING per process giving the slowdown a
-tiny matmul measured.
+FP16 is native (CUDA sm_70/sm_75, a CPU with native FP16; the backend alone,
+which cannot scale the loss, picks FP32 there), and otherwise FP32: a CPU
+without native BF16 emulates it 37-92x slower than FP32 (a 512x512 matmul), so
+mixed precision there would be correct and useless. An explicit "bf16"/"fp16"
+on such a device still does what was asked, with one WARNING per process giving
+the slowdown a tiny matmul measured.
 
 Tests replace ``native_dtypes`` to play other devices.
 """
