@@ -9,7 +9,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import amp_compiler.device
+
 aten = torch.ops.aten
+_REAL_NATIVE = amp_compiler.device.native_dtypes  # before any test replaces it
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,18 +30,21 @@ def _cpu_as_native_bf16(monkeypatch):
     """The suite tests the same program on either CPU kind: ``dtype="auto"`` (the default)
     resolves as on a CPU with native BF16, also where BF16 is emulated (the 16-bit path is
     then exercised, slower, instead of the FP32 one). Tests of the decision itself replace
-    ``native_dtypes`` again; subprocesses see the real machine."""
-    import amp_compiler.device
-
-    real = amp_compiler.device.native_dtypes
+    ``native_dtypes`` again; subprocesses see the real machine (``real_machine``)."""
 
     def native(device):
-        found, about = real(device)
+        found, about = _REAL_NATIVE(device)
         if device.type == "cpu" and "bf16" not in found:
             return found | {"bf16"}, f"CPU taken as native BF16 by the tests ({about})"
         return found, about
 
     monkeypatch.setattr(amp_compiler.device, "native_dtypes", native)
+
+
+@pytest.fixture
+def real_machine(monkeypatch):
+    """The machine's own ``native_dtypes``, for a test that compares with a subprocess."""
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", _REAL_NATIVE)
 
 
 @pytest.fixture(autouse=True)

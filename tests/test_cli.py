@@ -315,7 +315,7 @@ def test_cli_inspect_onnx_histogram_casts_and_kernels(tmp_path, capsys):
     assert "no CPU kernel" in ok_here(capsys, "inspect", str(path), "--ep", "cpu")
 
 
-def test_cli_demo_runs_and_compares(tmp_path):
+def test_cli_demo_runs_and_compares(tmp_path, real_machine):
     # auto decides by the hardware: BF16 where it is native, FP32 where 16 bit is emulated
     choice, reason = resolve_dtype("auto", torch.device("cpu"))
     out = ok("demo", "--steps", "4", "--inner", "eager")
