@@ -273,6 +273,7 @@ def test_cli_errors_exit_2_with_one_line_from_a_fresh_process(args, message):
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("command", [[], ["inspect"], ["doctor"], ["calibrate"], ["demo"], ["export"]])

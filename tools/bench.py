@@ -484,9 +484,6 @@ COLUMNS = ("step ms", "vs fp32 eager", "vs {base}", "paired", "infer ms", "saved
            "first call s", "casts", "grad cos")
 
 
-LABEL = {"autocast-inductor": "autocast+inductor", "fp32-inductor": "fp32-inductor", None: "autocast+inductor"}
-
-
 def baseline(workload: dict) -> str | None:
     """The variant the ratio columns divide by: Inductor + autocast, or Inductor FP32 in a run
     without 16-bit variants (``auto`` where 16 bit is emulated: the target there is FP32's)."""
@@ -502,7 +499,7 @@ def paired_ratio(samples: list[float], base: list[float]) -> float:
 
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
-    base = workload["variants"].get(baseline(workload) or "", {})
+    base = workload["variants"].get(baseline(workload))
     for name, r in workload["variants"].items():
         paired = f"{paired_ratio(r['step_ms_samples'], base['step_ms_samples']):.2f}" if base else "-"
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
@@ -526,7 +523,8 @@ def markdown(results: dict) -> str:
              "repetition, which a busy machine moves less.", ""]
     for name, w in results["workloads"].items():
         extra = ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
-        head = ("variant",) + tuple(c.format(base=LABEL.get(baseline(w), LABEL[None])) for c in COLUMNS) + extra
+        base = "fp32-inductor" if baseline(w) == "fp32-inductor" else "autocast+inductor"
+        head = ("variant",) + tuple(c.format(base=base) for c in COLUMNS) + extra
         lines += [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(w)]
         lines.append("")
