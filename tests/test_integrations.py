@@ -61,6 +61,28 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_trainer_default_is_fp32_where_16_bit_is_emulated(tmp_path, monkeypatch):
+    """AmpCallback() on a CPU that only emulates BF16/FP16: FP32 (no scaler), nothing runs in
+    16 bit, and the logged plan says why once."""
+    import amp_compiler.device
+
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    rec = OpRecorder()
+    cb = AmpCallback(inner=recording_backend(rec))
+    trainer = transformers.Trainer(model=gpt2(), args=args(tmp_path, max_steps=2),
+                                   train_dataset=Ids(), callbacks=[cb])
+    trainer.train()
+    assert cb.dtype == "fp32" and cb.scaler is None
+    assert "fake CPU emulating 16 bit" in cb.reason
+    logged = [h["amp_plan"] for h in trainer.state.log_history if "amp_plan" in h]
+    assert len(logged) == 1 and logged[0].startswith("fp32:")
+    assert logged[0].count("fake CPU emulating 16 bit") == 1, logged[0]
+    assert not any(g.applied for g in cb.plan().graphs)
+    ran = rec.dtypes_of(aten.mm, aten.addmm, aten.bmm)
+    assert ran and all(torch.float32 in c and torch.bfloat16 not in c for c in ran), ran
+
+
 class EagerLM(nn.Module):
     """All of its compute in a function Dynamo is told not to compile (as a graph break it
     gives up on leaves a model's forward)."""

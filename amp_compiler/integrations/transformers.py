@@ -123,7 +123,8 @@ class AmpCallback(TrainerCallback):
             return
         extra = {}
         if not self._plan_logged and self.backend.records:
-            extra["amp_plan"] = f"{self.plan().format_summary()} ({self.reason})"
+            summary = self.plan().format_summary()  # FP32's summary states its reason itself
+            extra["amp_plan"] = summary if self.reason in summary else f"{summary} ({self.reason})"
             self._plan_logged = True
         if self.scaler is not None:
             extra["amp_loss_scale"] = self.scaler.get_scale()
