@@ -412,6 +412,38 @@ def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkey
     assert budgets == [1.0, None, 0.5]
 
 
+def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeypatch):
+    """Where 16 bit is emulated, ``backend="amp"`` is Inductor FP32 plus amp's code-generation
+    passes (here the ReLU mask recomputed in backward): same loss and gradients as plain
+    ``torch.compile``, to FP32 rounding. (32 Hugging Face models from tests/fixtures/zoo.py
+    agreed the same way in an ad-hoc run.)"""
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
+                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    x = torch.randn(2, 12, 16)
+    import amp_compiler.passes.recompute_masks as pass_module
+
+    tagged = []
+    run_pass = pass_module.recompute_masks
+    monkeypatch.setattr(pass_module, "recompute_masks", lambda g: tagged.append(run_pass(g)) or tagged[-1])
+    # caches off: a cached graph skips the passes
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    runs = []
+    for backend in ("inductor", AmpBackend()):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        loss = torch.compile(model, backend=backend)(x).square().mean()
+        loss.backward()
+        runs.append((loss.item(), grads(model)))
+    assert backend.records[0].dtype == "fp32" and not backend.plan().graphs[0].applied
+    assert tagged == [1], tagged  # the ReLU's mask, in amp's compile only
+    (loss_plain, g_plain), (loss_amp, g_amp) = runs
+    assert loss_amp == pytest.approx(loss_plain, rel=1e-6)
+    assert torch.allclose(g_amp, g_plain, rtol=1e-4, atol=1e-6)
+
+
 def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_factor(monkeypatch, caplog):
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
                         lambda device: (frozenset(), "fake CPU emulating 16 bit"))
