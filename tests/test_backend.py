@@ -415,7 +415,7 @@ def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkey
 def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeypatch):
     """Where 16 bit is emulated, ``backend="amp"`` is Inductor FP32 plus amp's code-generation
     passes (here the ReLU mask recomputed in backward): same loss and gradients as plain
-    ``torch.compile``, to FP32 rounding. (32 Hugging Face models from tests/fixtures/zoo.py
+    ``torch.compile``, to FP32 rounding. (30 Hugging Face models from tests/fixtures/zoo.py
     agreed the same way in an ad-hoc run.)"""
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
                         lambda device: (frozenset(), "fake CPU emulating 16 bit"))
