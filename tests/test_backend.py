@@ -424,9 +424,13 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
     x = torch.randn(2, 12, 16)
     import amp_compiler.passes.recompute_masks as pass_module
 
-    tagged = []
-    run_pass = pass_module.recompute_masks
-    monkeypatch.setattr(pass_module, "recompute_masks", lambda g: tagged.append(run_pass(g)) or tagged[-1])
+    tagged, run_pass = [], pass_module.recompute_masks
+
+    def counted(graph):
+        tagged.append(run_pass(graph))
+        return tagged[-1]
+
+    monkeypatch.setattr(pass_module, "recompute_masks", counted)
     # caches off: a cached graph skips the passes
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)

@@ -12,6 +12,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import amp_compiler.device  # noqa: E402
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
 
 from conftest import OpRecorder, recording_backend  # noqa: E402
@@ -64,8 +65,6 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
 def test_trainer_default_is_fp32_where_16_bit_is_emulated(tmp_path, monkeypatch):
     """AmpCallback() on a CPU that only emulates BF16/FP16: FP32 (no scaler), nothing runs in
     16 bit, and the logged plan says why once."""
-    import amp_compiler.device
-
     monkeypatch.setattr(amp_compiler.device, "native_dtypes",
                         lambda device: (frozenset(), "fake CPU emulating 16 bit"))
     rec = OpRecorder()
