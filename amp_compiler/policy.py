@@ -134,13 +134,17 @@ _FP32_SPECTRAL = {
     aten.fft_rfftn, aten.fft_irfftn, aten.fft_hfft, aten.fft_ihfft, aten._fft_r2c,
     aten._fft_c2r, aten._fft_c2c, aten.stft, aten.istft,
 }
+# FP32, complex numbers built from real ones: BF16 has no complex type (complex32
+# pairs FP16 halves, with few kernels), and rotary embeddings written with
+# view_as_complex (Meta's Llama) turn by angles that need every bit at large positions.
+_FP32_COMPLEX = {aten.view_as_complex, aten.polar, aten.complex}
 # FP32, fused layers: nn.TransformerEncoderLayer / nn.MultiheadAttention fast
 # paths (eval + no_grad) compute LayerNorm and softmax inside in their input
 # dtype. Capture writes them out (amp_compiler/fused_layers.py); the op itself
 # is left only for nested-tensor inputs, and the policy cannot split it: FP32.
 _FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
 FP32_OPS = frozenset(_FP32_NORMS | _FP32_REDUCTIONS | _FP32_MATH | _FP32_LOSSES | _FP32_SPECTRAL
-                     | _FP32_LINALG | _FP32_FUSED)
+                     | _FP32_LINALG | _FP32_COMPLEX | _FP32_FUSED)
 
 # PROMOTE: multi-input ops that must see one dtype; they take the widest
 # floating input. Residual adds are here on purpose: `x + f(x)` with an FP32
@@ -383,6 +387,7 @@ _GROUP_WHY = [
     (_FP32_LOSSES, "loss: FP32"),
     (_FP32_SPECTRAL, "FFT sums the whole signal (no 16-bit FFT on CPU): FP32"),
     (_FP32_LINALG, "decomposition/solve amplifies rounding by the condition number: FP32"),
+    (_FP32_COMPLEX, "complex numbers: no BF16 complex type, FP32 in"),
     (_FP32_FUSED, "fused layer with LayerNorm/softmax inside: FP32 (cannot be split)"),
     (PROMOTE_OPS, "multi-input op: takes the widest floating input"),
     (PASSTHROUGH_OPS, "dtype-agnostic (view, data movement, activation): runs in the dtype that arrives"),

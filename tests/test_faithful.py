@@ -152,6 +152,33 @@ def test_fft_runs_fp32_and_resizing_passes_through():
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
 
 
+class ComplexRotary(nn.Module):
+    """Rotary embeddings through complex numbers, as Meta's Llama writes them (polar,
+    view_as_complex, a complex product, view_as_real), without a ``.float()`` first: the
+    program is FP32, so the 16-bit projection must reach view_as_complex as FP32."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("angles", torch.outer(torch.arange(6.0), 0.5 ** torch.arange(4.0)))
+
+    def forward(self, x):
+        turns = torch.polar(torch.ones_like(self.angles), self.angles)
+        q = torch.view_as_complex(self.q(x).reshape(*x.shape[:-1], 4, 2))
+        return self.out(torch.view_as_real(q * turns).flatten(-2)).square().mean()
+
+
+def test_complex_rotary_runs_fp32_where_complex_numbers_are_made():
+    loss, ref_loss, model, ref, backend, rec = _step(ComplexRotary(), (torch.randn(2, 6, 8),))
+    plan = backend.plan()
+    assert plan.summary()["unknown_ops"] == {}
+    made = [n for n in plan.nodes if n.op.startswith(("aten.view_as_complex", "aten.polar"))]
+    assert len(made) == 2 and all(n.precision == "FP32" and "complex" in n.reason for n in made)
+    assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
+    assert cosine(grads(model), grads(ref)) >= 0.999
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
+
+
 class HopRecorder(OpRecorder):
     """OpRecorder that also records higher-order ops (flex_attention) as they execute."""
 
