@@ -431,15 +431,16 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
         return tagged[-1]
 
     monkeypatch.setattr(pass_module, "recompute_masks", counted)
-    # caches off: a cached graph skips the passes
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     runs = []
     for backend in ("inductor", AmpBackend()):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        loss = torch.compile(model, backend=backend)(x).square().mean()
-        loss.backward()
+        # caches off: a cached graph skips the passes (config.patch: monkeypatch's undo
+        # would delete the config entries)
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            loss = torch.compile(model, backend=backend)(x).square().mean()
+            loss.backward()
         runs.append((loss.item(), grads(model)))
     assert backend.records[0].dtype == "fp32" and not backend.plan().graphs[0].applied
     assert tagged == [1], tagged  # the ReLU's mask, in amp's compile only
