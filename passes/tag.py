@@ -132,7 +132,8 @@ class _Tagger:
                     "fp32_modules so the tensor stays FP32")
             else:
                 precision, compute = Precision.FP32, torch.float32
-                reason = f"constant {_values(big)} does not fit {dtype_name(low)}: FP32 (was: {reason})"
+                what = "does not fit" if any(abs(v) >= 1 for v in big.values()) else "rounds to 0 in"
+                reason = f"constant {_values(big)} {what} {dtype_name(low)}: FP32 (was: {reason})"
                 planned = self.plan(node, precision, compute, base["orig"])
         return NodeInfo(precision, reason, compute=compute, planned=planned, constants=constants,
                         unknown=reason.startswith(_UNKNOWN), **base)
@@ -254,7 +255,9 @@ _FILLS = {torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default,
 
 
 def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
-    """Finite constants the node computes with that ``dtype`` (16-bit) cannot hold.
+    """Finite constants the node computes with that ``dtype`` (16-bit) cannot hold: beyond
+    its range, or nonzero but rounding to zero (an ``eps`` of 1e-12 in FP16, whose
+    ``log(x.clamp(min=eps))`` would turn into ``log(0)``).
 
     Python scalars in its arguments by ``schema_args`` slot; an input made
     by ``full``/``scalar_tensor`` with such a value counts too (keyed by the
@@ -262,17 +265,25 @@ def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
     """
     if dtype not in (torch.bfloat16, torch.float16):
         return {}
-    limit = torch.finfo(dtype).max
     out = {}
     for slot, arg, value in schema_args(node):
-        if str(arg.type) in _NUMBER_ARGS and isinstance(value, (int, float)) \
-                and not isinstance(value, bool) and math.isfinite(value) and abs(value) > limit:
+        if str(arg.type) in _NUMBER_ARGS and _unfit(value, dtype):
             out[slot] = float(value)
         elif isinstance(value, torch.fx.Node) and value.target in _FILLS:
             fill = value.args[0] if value.target is torch.ops.aten.scalar_tensor.default else value.args[1]
-            if isinstance(fill, (int, float)) and math.isfinite(fill) and abs(fill) > limit:
-                out[value.name] = -limit  # never rewritten: forces FP32
+            if _unfit(fill, dtype):
+                out[value.name] = float(fill)  # never rewritten (not FP32's extreme): forces FP32
     return out
+
+
+def _unfit(value: object, dtype: torch.dtype) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return abs(value) > torch.finfo(dtype).max or (value != 0 and abs(value) <= _TINY[dtype])
+
+
+# Up to half the smallest subnormal (smallest normal x eps) a value rounds to zero.
+_TINY = {d: torch.finfo(d).smallest_normal * torch.finfo(d).eps / 2 for d in (torch.bfloat16, torch.float16)}
 
 
 def _values(big: dict) -> str:

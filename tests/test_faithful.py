@@ -350,6 +350,38 @@ def test_mask_fill_constant_beyond_fp16_runs_in_fp32():
     assert fill[0].precision == "FP32" and "does not fit fp16" in fill[0].reason
 
 
+class TinyEps(nn.Module):
+    """``log(x.clamp(min=1e-12))`` and ``log(x + 1e-10)`` after a ReLU that outputs zeros:
+    in FP16 both constants round to 0 (autocast gives -inf), in FP32 they keep the log finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.a.bias.fill_(-0.5)  # most ReLU outputs are exactly 0, some are not
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return torch.log(h.clamp(min=1e-12)).mean() + torch.log(h + 1e-10).mean()
+
+
+def test_constant_that_rounds_to_zero_in_fp16_runs_in_fp32():
+    loss, ref_loss, model, ref, backend, rec = _step(TinyEps(), (torch.randn(4, 8),), "fp16")
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(ref_loss.item(), rel=1e-3)
+    assert torch.isfinite(grads(model)).all() and cosine(grads(model), grads(ref)) >= 0.999
+    eps = [n for n in backend.plan().nodes if n.name in ("clamp", "add")]  # h.clamp, h + 1e-10
+    assert len(eps) == 2 and all(n.precision == "FP32" and "rounds to 0 in fp16" in n.reason for n in eps)
+    assert all(d[:2] == [torch.float16] * 2 for d in rec.dtypes_of(*MATMULS))
+    with torch.autocast("cpu", dtype=torch.float16):  # what a per-op policy gives
+        assert not torch.isfinite(copy.deepcopy(ref)(torch.randn(4, 8)))
+
+
+def test_constants_that_bf16_holds_stay_where_the_plan_puts_them():
+    _, _, _, _, backend, _ = _step(TinyEps(), (torch.randn(4, 8),), "bf16")
+    eps = [n for n in backend.plan().nodes if n.name in ("clamp", "add")]
+    assert len(eps) == 2 and all(n.precision != "FP32" and "rounds to 0" not in n.reason for n in eps)
+
+
 def test_mask_fill_in_bf16_keeps_small_constants():
     """-1e9 fits BF16: nothing is refitted, the fill stays where the plan put it."""
     mask = torch.zeros(4, 4, dtype=torch.bool)
