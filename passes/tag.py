@@ -272,7 +272,8 @@ def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
         elif isinstance(value, torch.fx.Node) and value.target in _FILLS:
             fill = value.args[0] if value.target is torch.ops.aten.scalar_tensor.default else value.args[1]
             if _unfit(fill, dtype):
-                out[value.name] = float(fill)  # never rewritten (not FP32's extreme): forces FP32
+                # never rewritten, so never recorded as FP32's extreme: forces FP32
+                out[value.name] = float(fill) if abs(fill) < 1 else -torch.finfo(dtype).max
     return out
 
 

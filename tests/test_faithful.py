@@ -350,6 +350,31 @@ def test_mask_fill_constant_beyond_fp16_runs_in_fp32():
     assert fill[0].precision == "FP32" and "does not fit fp16" in fill[0].reason
 
 
+class WhereFull(nn.Module):
+    """A mask applied with ``where`` and a ``full_like`` of FP32's minimum (an input made by
+    a fill, not a scalar argument: the node runs in FP32, never rewritten)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.a(x)
+        h = torch.where(mask, torch.full_like(h, torch.finfo(torch.float32).min), h)
+        return torch.softmax(h, -1).square().mean()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_where_with_a_filled_fp32_minimum_compiles_and_stays_finite(dtype):
+    mask = torch.zeros(4, 8, dtype=torch.bool)
+    mask[0], mask[1, :4] = True, True
+    loss, ref_loss, model, ref, backend, _ = _step(WhereFull(), (torch.randn(4, 8), mask), dtype)
+    assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=0.02)
+    where = [n for n in backend.plan().nodes if n.op.startswith("aten.where")]
+    assert where and where[0].precision == "FP32" and "does not fit" in where[0].reason
+
+
 class TinyEps(nn.Module):
     """``log(x.clamp(min=1e-12))`` and ``log(x + 1e-10)`` after a ReLU that outputs zeros:
     in FP16 both constants round to 0 (autocast gives -inf), in FP32 they keep the log finite."""
