@@ -47,6 +47,15 @@ def real_machine(monkeypatch):
     monkeypatch.setattr(amp_compiler.device, "native_dtypes", _REAL_NATIVE)
 
 
+@pytest.fixture
+def no_caches():
+    """Inductor's FX and AOT caches off: a cached graph would skip amp's Inductor passes.
+    (``config.patch``: monkeypatch's undo would delete the config entries.)"""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

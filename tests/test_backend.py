@@ -412,7 +412,7 @@ def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkey
     assert budgets == [1.0, None, 0.5]
 
 
-def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeypatch):
+def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeypatch, no_caches):
     """Where 16 bit is emulated, ``backend="amp"`` is Inductor FP32 plus amp's code-generation
     passes (here the ReLU mask recomputed in backward): same loss and gradients as plain
     ``torch.compile``, to FP32 rounding. (30 Hugging Face models from tests/fixtures/zoo.py
@@ -435,12 +435,8 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
     for backend in ("inductor", AmpBackend()):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        # caches off: a cached graph skips the passes (config.patch: monkeypatch's undo
-        # would delete the config entries)
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            loss = torch.compile(model, backend=backend)(x).square().mean()
-            loss.backward()
+        loss = torch.compile(model, backend=backend)(x).square().mean()
+        loss.backward()
         runs.append((loss.item(), grads(model)))
     assert backend.records[0].dtype == "fp32" and not backend.plan().graphs[0].applied
     assert tagged == [1], tagged  # the ReLU's mask, in amp's compile only

@@ -45,14 +45,6 @@ def saved_dtypes_and_grads(model, x, dtype):
     return saved, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.fixture
-def no_caches():
-    # a cached graph would skip the passes this test switches off
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_relu_mask_is_recomputed_not_saved_and_gradients_are_identical(dtype, monkeypatch, no_caches):
     torch.manual_seed(0)
