@@ -123,8 +123,10 @@ class AmpCallback(TrainerCallback):
             return
         extra = {}
         if not self._plan_logged and self.backend.records:
-            summary = self.plan().format_summary()  # FP32's summary states its reason itself
-            extra["amp_plan"] = summary if self.reason in summary else f"{summary} ({self.reason})"
+            plan = self.plan()
+            # a plan not applied (FP32) states its reason in its own summary
+            applied = any(g.applied for g in plan.graphs)
+            extra["amp_plan"] = f"{plan.format_summary()} ({self.reason})" if applied else plan.format_summary()
             self._plan_logged = True
         if self.scaler is not None:
             extra["amp_loss_scale"] = self.scaler.get_scale()
