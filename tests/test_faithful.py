@@ -594,9 +594,10 @@ def test_tied_weight_receives_both_gradients():
 sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/fixtures")
 transformers = pytest.importorskip("transformers")
 from differential import one_step  # noqa: E402
-from zoo import zoo  # noqa: E402
+from zoo import more, zoo  # noqa: E402
 
 ZOO = zoo()
+STEP_ZOO = {**ZOO, **more()}  # the training-step checks run on both sets
 FAST = {"bloom", "deepseek_v3", "mamba", "deberta_v2", "clip", "hubert_ctc"}
 
 
@@ -613,23 +614,42 @@ def _marks(name):
     return marks
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ZOO])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in STEP_ZOO])
 def test_zoo_one_training_step_is_faithful(name):
     """FP32 eager vs autocast vs amp: same parameters get gradients, finite where FP32 is,
     cosine no worse than autocast's - 0.01, no extra graphs, matmuls executed in BF16."""
-    step = one_step(ZOO[name])
+    step = one_step(STEP_ZOO[name])
     assert step.problems() == [], (name, step.problems())
+
+
+def test_harness_cosine_check_yields_only_to_rounding_or_a_failed_autocast():
+    """The differential's cosine rule: below autocast's fails, unless rounding the weights and
+    inputs alone already breaks FP32's gradient (ill-conditioned); where eager autocast raised,
+    an absolute floor of 0.99 holds instead."""
+    from differential import Step
+
+    right, wrong = {"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.0, 1.0])}
+    step = Step(1.0, 1.0, 1.0, right, right, wrong, 1, 1, 2)
+    assert "gradient cosine 0.0000 < autocast's 1.0000" in step.problems()[0]
+    step.cos_rounded = 0.999
+    assert step.problems()
+    step.cos_rounded = 0.05
+    assert step.problems() == [] and step.ill_conditioned
+    failed = Step(1.0, float("nan"), 1.0, right, {}, right, 1, 1, 2, autocast_error="RuntimeError: x")
+    assert failed.problems() == []
+    failed.grads_amp = wrong
+    assert "< 0.99 (torch.autocast failed: RuntimeError: x)" in failed.problems()[0]
 
 
 FP16_FAST = {"deberta_v2"}  # mask fills and relative positions; the rest with -m slow
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=() if n in FP16_FAST else pytest.mark.slow) for n in ZOO])
+    pytest.param(n, marks=() if n in FP16_FAST else pytest.mark.slow) for n in STEP_ZOO])
 def test_zoo_one_training_step_in_fp16_is_faithful(name):
     """The same check under FP16 (the fallback where BF16 is not native: V100, T4), whose
     range and subnormals are the narrow ones: mask fills, eps constants, CTC's sums."""
-    step = one_step(ZOO[name], dtype="fp16")
+    step = one_step(STEP_ZOO[name], dtype="fp16")
     assert step.problems() == [], (name, step.problems())
 
 
