@@ -87,17 +87,34 @@ class AmpBackend:
             # FP32: the program plain torch.compile runs, its partition included (recomputing
             # in FP32 cost lm-sdpa 3-6% of a step where 16 bit is emulated)
             budget = 1.0
-        return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
+        if _autocast_around(device_of(example_inputs)) is None:
+            return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
+        # Under the user's torch.autocast amp placed every cast itself: autocast must add none
+        # while the inner compiler traces, nor when the graph runs forward or backward
+        with _autocast_off_in_graph():
+            return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 opts: AmpOptions | None = None) -> torch.fx.GraphModule:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
+        device = device_of(example_inputs)
+        around = _autocast_around(device)
+        with torch._C._DisableAutocast():  # amp places the casts (and its probe times true FP32)
+            return self._rewrite_as(gm, example_inputs, opts, device, around)
+
+    def _rewrite_as(self, gm, example_inputs, opts, device, around) -> torch.fx.GraphModule:
         if self.decided is not None and self.decided[0] == opts.dtype:
             dtype, reason = self.decided
+        elif around is not None and opts.dtype == "auto":
+            # the user's own torch.autocast chose a 16-bit dtype: that is the dtype asked for
+            dtype, reason = resolve_dtype(around, device, loss_scaling=False)
+            reason = f"torch.autocast({device.type}, {around}) around the call; {reason}"
         else:
             # the training step and the Trainer callback decide (and scale FP16's loss) themselves
-            dtype, reason = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)
+            dtype, reason = resolve_dtype(opts.dtype, device, loss_scaling=False)
+        if around is not None:
+            _warn_autocast_around(device, around, dtype)
         # A user's saved-tensor hooks (activation offloading, e.g. save_on_cpu) wrap the
         # compiled call at run time; they must not see the fake tensors we trace with.
         with _saved_tensors_hooks_off():
@@ -230,6 +247,45 @@ def _with_policy(reason: str, opts: AmpOptions) -> str:
     won = (f"; explicit {', '.join(opts.policy_overridden)} given beside it win"
            if opts.policy_overridden else "")
     return f"{reason}; policy file {opts.policy_file}{won}"
+
+
+def _autocast_around(device: torch.device) -> str | None:
+    """"bf16"/"fp16" when the compiled call runs under the user's torch.autocast for ``device``."""
+    try:
+        if not torch.is_autocast_enabled(device.type):
+            return None
+        low = torch.get_autocast_dtype(device.type)
+    except RuntimeError:  # a device type autocast does not know
+        return None
+    return {v: k for k, v in LOW_DTYPES.items()}.get(low)
+
+
+@contextlib.contextmanager
+def _autocast_off_in_graph():
+    """Autocast off for every device while the inner compiler traces, with one flag on for a
+    device no graph here runs on (IPU). AOTAutograd runs a graph compiled while any autocast
+    flag is on with autocast off, forward and backward, as it does for every graph compiled
+    under autocast; Dynamo guards on the autocast state, so this graph runs only under it."""
+    with torch._C._DisableAutocast():
+        torch.set_autocast_enabled("ipu", True)
+        try:
+            yield
+        finally:
+            torch.set_autocast_enabled("ipu", False)
+
+
+_warned_autocast: set[tuple[str, str]] = set()
+
+
+def _warn_autocast_around(device: torch.device, around: str, dtype: str) -> None:
+    if (device.type, around) in _warned_autocast:
+        return
+    _warned_autocast.add((device.type, around))
+    log.warning("amp: the compiled model is called under torch.autocast(%r, %s); amp places the "
+                "casts inside the graphs it compiles itself (%s here), so autocast adds none there "
+                "and keeps its effect on the code around them. Drop the torch.autocast context "
+                "(amp needs none), or compile with another backend to keep autocast's casts.",
+                device.type, around, dtype)
 
 
 def _saved_tensors_hooks_off():

@@ -461,6 +461,69 @@ def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_facto
     assert any(call[:2] == [torch.bfloat16] * 2 for call in rec.dtypes_of(aten.addmm, aten.mm))
 
 
+class _NormHead(nn.Module):
+    """Linear -> GELU -> LayerNorm -> Linear: autocast sends the LayerNorm to FP32 too."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("around,asked,low", [
+    (torch.bfloat16, "auto", torch.bfloat16),  # amp not told a dtype: autocast's is the one asked for
+    (torch.float16, "bf16", torch.bfloat16),  # amp's own dtype wins
+    (torch.bfloat16, "fp32", torch.float32),  # FP32 asked: autocast adds no casts either
+])
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_called_under_the_users_autocast_amp_alone_places_the_casts(around, asked, low,
+                                                                    backward_inside, caplog):
+    """A training loop that keeps its torch.autocast around the amp-compiled model: traced with
+    autocast on, the graph held both sets of casts and the plan check refused it (LayerNorm
+    'computes fp32 but the plan says bf16'). Autocast adds nothing inside amp's graphs, at trace
+    time or at run time, forward or backward; outside them (the loss) it works as before."""
+    torch.manual_seed(0)
+    model, x, y = _NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    rec = OpRecorder()
+    backend = AmpBackend(dtype=asked, inner=recording_backend(rec))
+    with caplog.at_level("WARNING", logger="amp_compiler"):
+        with torch.autocast("cpu", dtype=around):
+            out = torch.compile(model, backend=backend)(x)
+            loss = F.cross_entropy(out, y)
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    assert out.dtype == torch.float32  # the program's output, as without autocast
+    assert backend.records[0].dtype == {torch.bfloat16: "bf16", torch.float32: "fp32"}[low]
+    forward = rec.dtypes_of(aten.addmm)
+    assert forward and all(d == [low] * 3 for d in forward), forward
+    assert all(d == [torch.float32] * 3 for d in rec.dtypes_of(aten.layer_norm, aten.native_layer_norm))
+    backward = rec.dtypes_of(aten.mm)  # also where backward is called inside the autocast block
+    assert backward and all(d == [low] * 2 for d in backward), backward
+    assert cosine(grads(model), grads(ref)) > 0.999
+    said = [r.getMessage() for r in caplog.records if "under torch.autocast" in r.getMessage()]
+    assert len(said) <= 1 and (said or amp_compiler.backend._warned_autocast)
+
+
+def test_called_under_the_users_autocast_through_inductor_trains_like_fp32(no_caches):
+    torch.manual_seed(0)
+    model, x, y = _NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    backend = AmpBackend(dtype="auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(torch.compile(model, backend=backend)(x), y)
+    loss.backward()
+    assert backend.records[0].dtype == "bf16" and backend.records[0].plan.applied
+    assert "torch.autocast(cpu, bf16) around the call" in backend.records[0].dtype_reason
+    assert cosine(grads(model), grads(ref)) > 0.999
+
+
 def test_slowdown_probe_measures_a_ratio():
     factor = amp_compiler.device.slowdown("bf16", torch.device("cpu"), n=64, reps=3)
     assert factor is not None and factor > 0
