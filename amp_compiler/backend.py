@@ -87,12 +87,7 @@ class AmpBackend:
             # FP32: the program plain torch.compile runs, its partition included (recomputing
             # in FP32 cost lm-sdpa 3-6% of a step where 16 bit is emulated)
             budget = 1.0
-        if _autocast_around(device_of(example_inputs)) is None:
-            return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
-        # Under the user's torch.autocast amp placed every cast itself: autocast must add none
-        # while the inner compiler traces, nor when the graph runs forward or backward
-        with _autocast_off_in_graph():
-            return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
+        return _inner_compiler(opts.inner, mode, budget)(rewritten, list(example_inputs))
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 opts: AmpOptions | None = None) -> torch.fx.GraphModule:
@@ -100,8 +95,30 @@ class AmpBackend:
         opts = opts or self.options
         device = device_of(example_inputs)
         around = _autocast_around(device)
-        with torch._C._DisableAutocast():  # amp places the casts (and its probe times true FP32)
-            return self._rewrite_as(gm, example_inputs, opts, device, around)
+        if around is None:
+            return self._rewrite_as(gm, example_inputs, opts, device, None)
+        # The user's torch.autocast around the call: Dynamo traced the model under it and baked
+        # in what the model read then (T5 builds a bias as zeros of the query's dtype: BF16).
+        # It becomes a region of the graph, which keeps autocast's casts, as one inside the
+        # model would; amp adds its own. Its dtype is the one asked for where amp's is "auto".
+        _autocast_region(gm, device.type, LOW_DTYPES[around])
+        with torch._C._DisableAutocast():  # amp traces it as a region; its probe times FP32
+            try:
+                rewritten = self._rewrite_as(gm, example_inputs, opts, device, around)
+                _warn_autocast_around(device, around, self.records[-1].dtype)
+                return rewritten
+            except Exception as e:  # noqa: BLE001 - autocast alone is what plain torch.compile runs
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                log.warning("amp: a graph Dynamo traced under torch.autocast(%r, %s) could not be "
+                            "planned (%s); it runs as autocast alone makes it. Drop the "
+                            "torch.autocast context around the compiled model: amp needs none.",
+                            device.type, around, why)
+                plan = GraphPlan(self.compiled, around, f"torch.autocast({device.type}, {around}) "
+                                 f"around the call; amp's plan not applied ({why})")
+                plan.applied = False
+                self._record(CompileRecord(self.compiled, around, plan.dtype_reason, gm, plan,
+                                           [], opts, self._took(example_inputs)))
+                return gm
 
     def _rewrite_as(self, gm, example_inputs, opts, device, around) -> torch.fx.GraphModule:
         if self.decided is not None and self.decided[0] == opts.dtype:
@@ -113,8 +130,6 @@ class AmpBackend:
         else:
             # the training step and the Trainer callback decide (and scale FP16's loss) themselves
             dtype, reason = resolve_dtype(opts.dtype, device, loss_scaling=False)
-        if around is not None:
-            _warn_autocast_around(device, around, dtype)
         # A user's saved-tensor hooks (activation offloading, e.g. save_on_cpu) wrap the
         # compiled call at run time; they must not see the fake tensors we trace with.
         with _saved_tensors_hooks_off():
@@ -260,18 +275,17 @@ def _autocast_around(device: torch.device) -> str | None:
     return {v: k for k, v in LOW_DTYPES.items()}.get(low)
 
 
-@contextlib.contextmanager
-def _autocast_off_in_graph():
-    """Autocast off for every device while the inner compiler traces, with one flag on for a
-    device no graph here runs on (IPU). AOTAutograd runs a graph compiled while any autocast
-    flag is on with autocast off, forward and backward, as it does for every graph compiled
-    under autocast; Dynamo guards on the autocast state, so this graph runs only under it."""
-    with torch._C._DisableAutocast():
-        torch.set_autocast_enabled("ipu", True)
-        try:
-            yield
-        finally:
-            torch.set_autocast_enabled("ipu", False)
+def _autocast_region(gm: torch.fx.GraphModule, device_type: str, low: torch.dtype) -> None:
+    """Make the user's torch.autocast around the call a region spanning ``gm``."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    with (graph.inserting_after(anchor) if anchor else graph.inserting_before(None)):
+        enter = graph.call_function(torch.amp.autocast_mode._enter_autocast,
+                                    (device_type, low, True, None))
+    with graph.inserting_before(graph.output_node()):
+        graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
+    gm.recompile()
 
 
 _warned_autocast: set[tuple[str, str]] = set()
@@ -281,11 +295,10 @@ def _warn_autocast_around(device: torch.device, around: str, dtype: str) -> None
     if (device.type, around) in _warned_autocast:
         return
     _warned_autocast.add((device.type, around))
-    log.warning("amp: the compiled model is called under torch.autocast(%r, %s); amp places the "
-                "casts inside the graphs it compiles itself (%s here), so autocast adds none there "
-                "and keeps its effect on the code around them. Drop the torch.autocast context "
-                "(amp needs none), or compile with another backend to keep autocast's casts.",
-                device.type, around, dtype)
+    log.warning("amp: the compiled model is called under torch.autocast(%r, %s): its casts stay "
+                "in the compiled graphs (Dynamo traced the model under it) and amp's plan (%s) "
+                "adds its own, as for a torch.autocast inside the model. Drop the torch.autocast "
+                "context: amp needs none.", device.type, around, dtype)
 
 
 def _saved_tensors_hooks_off():

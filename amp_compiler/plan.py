@@ -69,7 +69,9 @@ class GraphPlan:
     nodes: list[NodePlan] = field(default_factory=list)
     casts: list[CastPlan] = field(default_factory=list)
     unknown_ops: dict[str, int] = field(default_factory=dict)
-    applied: bool = True  # False: dtype "fp32", the nodes show the BF16 plan not applied
+    # False: run as written (dtype "fp32"; or as the user's torch.autocast around the call
+    # makes it, when amp could not plan it); the nodes show the BF16 plan not applied
+    applied: bool = True
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, index: int, dtype: str, dtype_reason: str) -> GraphPlan:
@@ -184,7 +186,7 @@ class PrecisionPlan:
         unknown = f"; unknown ops: {s['unknown_ops']}" if s["unknown_ops"] else ""
         mb = "" if s["cast_bytes"] is None else f" ({s['cast_bytes'] / 2**20:.2f} MiB)"
         if self.graphs and not any(g.applied for g in self.graphs):
-            return (f"fp32: {total} ops in {s['graphs']} graph(s) run as written; the BF16 plan "
+            return (f"{self.graphs[0].dtype}: {total} ops in {s['graphs']} graph(s) run as written; the BF16 plan "
                     f"would have been {parts}, {s['casts']} casts{mb}{unknown} "
                     f"({self.graphs[0].dtype_reason})")
         return (f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; "
