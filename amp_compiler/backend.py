@@ -19,8 +19,8 @@ from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .options import AmpOptions, AmpOptionsError
 from .plan import GraphPlan, PrecisionPlan
-from .policy_file import check_fingerprint, fingerprint
-from .policy import LOW_DTYPES
+from .policy import LOW_DTYPES, AmpPolicyError
+from .policy_file import PolicyFileError, check_fingerprint, fingerprint
 
 log = logging.getLogger("amp_compiler")
 
@@ -107,6 +107,8 @@ class AmpBackend:
                 rewritten = self._rewrite_as(gm, example_inputs, opts, device, around)
                 _warn_autocast_around(device, around, self.records[-1].dtype)
                 return rewritten
+            except (AmpOptionsError, AmpPolicyError, PolicyFileError):
+                raise  # what the user configured (strict, a policy file) holds here too
             except Exception as e:  # noqa: BLE001 - autocast alone is what plain torch.compile runs
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 log.warning("amp: a graph Dynamo traced under torch.autocast(%r, %s) could not be "

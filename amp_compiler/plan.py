@@ -186,8 +186,8 @@ class PrecisionPlan:
         unknown = f"; unknown ops: {s['unknown_ops']}" if s["unknown_ops"] else ""
         mb = "" if s["cast_bytes"] is None else f" ({s['cast_bytes'] / 2**20:.2f} MiB)"
         if self.graphs and not any(g.applied for g in self.graphs):
-            return (f"{self.graphs[0].dtype}: {total} ops in {s['graphs']} graph(s) run as written; the BF16 plan "
-                    f"would have been {parts}, {s['casts']} casts{mb}{unknown} "
+            return (f"{self.graphs[0].dtype}: {total} ops in {s['graphs']} graph(s) run as "
+                    f"written; the BF16 plan would have been {parts}, {s['casts']} casts{mb}{unknown} "
                     f"({self.graphs[0].dtype_reason})")
         return (f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; "
                 f"{s['casts']} casts inserted{mb}{unknown}")

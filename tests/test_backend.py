@@ -560,6 +560,17 @@ def test_a_graph_amp_cannot_plan_under_the_users_autocast_runs_as_autocast_makes
     assert cosine(grads(model), grads(ref)) > 0.999
 
 
+def test_under_the_users_autocast_what_the_user_configured_still_raises():
+    """The fallback to autocast's program is for graphs amp cannot trace, not for options: an
+    unknown op under strict=True raises as it does without autocast."""
+    backend = AmpBackend(dtype="bf16", strict=True, inner="aot_eager")
+    fn = torch.compile(lambda x, w: torch.special.bessel_j0(x @ w), backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            Exception, match="AmpPolicyError: unknown op aten.special_bessel_j0"):
+        fn(torch.randn(4, 8), torch.randn(8, 8))
+    assert backend.records == []
+
+
 def test_slowdown_probe_measures_a_ratio():
     factor = amp_compiler.device.slowdown("bf16", torch.device("cpu"), n=64, reps=3)
     assert factor is not None and factor > 0
