@@ -211,3 +211,30 @@ def test_trainer_with_two_processes_trains_one_plan(tmp_path):
     assert low0 > 0 and fp32 and l0[-1] < l0[0]
     for a, b in zip(p0, p1):
         assert torch.equal(a, b)
+
+
+def test_accelerate_mixed_precision_around_the_amp_backend_trains():
+    """Accelerate's mixed_precision="bf16" wraps forward in torch.autocast: a user who keeps it
+    and compiles with amp gets a compiled BF16 step (it used to fail amp's plan check)."""
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    from amp_compiler import AmpBackend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+    ref = copy.deepcopy(model)
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    compiled = accelerator.prepare(torch.compile(model, backend=backend))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    accelerator.backward(F.cross_entropy(compiled(x), y))
+    F.cross_entropy(ref(x), y).backward()
+    record = backend.records[0]
+    assert record.dtype == "bf16" and record.plan.applied and "torch.autocast(cpu, bf16)" in record.dtype_reason
+    assert rec.dtypes_of(torch.ops.aten.addmm) and all(
+        set(d) == {torch.bfloat16} for d in rec.dtypes_of(torch.ops.aten.addmm, torch.ops.aten.mm))
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert F.cosine_similarity(got, want, dim=0) > 0.999
