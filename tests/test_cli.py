@@ -58,7 +58,7 @@ def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path, cap
         "def make():\n"
         "    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)\n"
         "    return transformers.GPT2LMHeadModel(cfg), {'input_ids': torch.randint(0, 96, (2, 16))}\n")
-    tree = ok("inspect", f"{factory}:make")
+    tree = ok_here(capsys, "inspect", f"{factory}:make")
     full = ok_here(capsys, "inspect", f"{factory}:make", "--all")
     floats = ok_here(capsys, "inspect", f"{factory}:make", "--nodes")
     assert "transformer" in tree and "h" in tree and "attn" in tree and "LOW" in tree and "casts" in tree

@@ -673,7 +673,7 @@ def test_zoo_one_training_step_through_inductor_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
-EXPORT_FAST = ("bloom", "deberta_v2", "hubert_ctc", "mobilevit", "qwen3_moe")
+EXPORT_FAST = ("deberta_v2", "hubert_ctc", "mobilevit", "qwen3_moe")  # Bloom's with -m slow
 # ONNX cannot express these (no amp involved): the error must name what and say what to do
 NOT_EXPORTABLE = {
     "informer": "no translation for prims.lgamma",  # the Student-t log-likelihood of its loss
