@@ -218,6 +218,7 @@ def test_accelerate_mixed_precision_around_the_amp_backend_trains():
     and compiles with amp gets a compiled BF16 step (it used to fail amp's plan check)."""
     import torch.nn.functional as F
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from amp_compiler import AmpBackend
 
@@ -226,10 +227,15 @@ def test_accelerate_mixed_precision_around_the_amp_backend_trains():
     ref = copy.deepcopy(model)
     rec = OpRecorder()
     backend = AmpBackend(inner=recording_backend(rec))
-    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
-    compiled = accelerator.prepare(torch.compile(model, backend=backend))
-    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    accelerator.backward(F.cross_entropy(compiled(x), y))
+    # Accelerate keeps one process-wide state; a Trainer earlier in the suite set it up
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        compiled = accelerator.prepare(torch.compile(model, backend=backend))
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        accelerator.backward(F.cross_entropy(compiled(x), y))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     F.cross_entropy(ref(x), y).backward()
     record = backend.records[0]
     assert record.dtype == "bf16" and record.plan.applied and "torch.autocast(cpu, bf16)" in record.dtype_reason
