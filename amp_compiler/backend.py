@@ -17,6 +17,7 @@ from amp_compiler.passes.graph_util import draws_random
 from .capture import to_aten
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
+from .meta import dtype_name
 from .options import AmpOptions, AmpOptionsError
 from .plan import GraphPlan, PrecisionPlan
 from .policy import LOW_DTYPES, AmpPolicyError
@@ -274,7 +275,8 @@ def _autocast_around(device: torch.device) -> str | None:
         low = torch.get_autocast_dtype(device.type)
     except RuntimeError:  # a device type autocast does not know
         return None
-    return {v: k for k, v in LOW_DTYPES.items()}.get(low)
+    name = dtype_name(low)
+    return name if name in LOW_DTYPES else None
 
 
 def _autocast_region(gm: torch.fx.GraphModule, device_type: str, low: torch.dtype) -> None:

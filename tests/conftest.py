@@ -121,6 +121,17 @@ class MLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+class NormHead(nn.Module):
+    """Linear -> GELU -> LayerNorm -> Linear: torch.autocast sends the LayerNorm to FP32 too."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 class Attention(nn.Module):
     """Pre-LN transformer block; explicit softmax attention or SDPA."""
 

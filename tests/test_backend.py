@@ -17,7 +17,7 @@ import amp_compiler.backend
 import amp_compiler.device
 from amp_compiler import AmpBackend, AmpOptionsError
 
-from conftest import MLP, Attention, ConvNet, OpRecorder, TinyLM, cosine, grads, recording_backend
+from conftest import MLP, Attention, ConvNet, NormHead, OpRecorder, TinyLM, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
@@ -461,17 +461,6 @@ def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_facto
     assert any(call[:2] == [torch.bfloat16] * 2 for call in rec.dtypes_of(aten.addmm, aten.mm))
 
 
-class _NormHead(nn.Module):
-    """Linear -> GELU -> LayerNorm -> Linear: autocast sends the LayerNorm to FP32 too."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 @pytest.mark.parametrize("around,asked,plan,matmuls", [
     (torch.bfloat16, "auto", "bf16", torch.bfloat16),  # amp not told a dtype: autocast's is asked
     (torch.float16, "bf16", "bf16", torch.float16),  # autocast's casts stay: its matmuls FP16
@@ -487,7 +476,7 @@ def test_called_under_the_users_autocast_is_a_region_of_the_graph(around, asked,
     region of the graph, as one inside the model: its casts stay, amp adds its own."""
     monkeypatch.setattr(amp_compiler.backend, "_warned_autocast", set())
     torch.manual_seed(0)
-    model, x, y = _NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    model, x, y = NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
     ref = copy.deepcopy(model)
     F.cross_entropy(ref(x), y).backward()
     rec = OpRecorder()
@@ -513,7 +502,7 @@ def test_called_under_the_users_autocast_is_a_region_of_the_graph(around, asked,
 
 def test_called_under_the_users_autocast_through_inductor_trains_like_fp32(no_caches):
     torch.manual_seed(0)
-    model, x, y = _NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    model, x, y = NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
     ref = copy.deepcopy(model)
     F.cross_entropy(ref(x), y).backward()
     backend = AmpBackend(dtype="auto")
