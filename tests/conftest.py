@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -23,6 +25,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core, at most 4 (each holds its own
+    torch, transformers and compile caches)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) the workers share the cores: each takes its share of
+    intra-op threads instead of all of them (oversubscribed OpenMP threads spin)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
