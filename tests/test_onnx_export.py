@@ -165,6 +165,28 @@ def test_export_keeps_the_layout_a_view_after_attention_relies_on(tmp_path):
     assert "Softmax" in ops and "MatMul" in ops
 
 
+class Tiny(torch.nn.Module):
+    """Outputs of magnitude ~1e-27 (random-init MobileNetV2's logits are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc(x) * 1e-27
+
+
+def test_parity_of_tiny_outputs_is_measured_at_their_own_scale(tmp_path):
+    from amp_compiler.onnx_export import _max_err
+
+    want = [torch.tensor([4e-27, -1e-27])]
+    assert _max_err([want[0] * 2], want)[1] == pytest.approx(1.0)  # a fixed floor read ~1e-15
+    assert _max_err([torch.tensor([1e-3, 0.0])], [torch.zeros(2)]) == pytest.approx((1e-3, 1e-3))  # no scale
+    torch.manual_seed(0)
+    report = export_onnx(Tiny(), (torch.randn(4, 16),), str(tmp_path / "t.onnx"))
+    assert 1e-4 < report.parity["vs_fp32_max_rel"] < 0.05, report.parity
+
+
 def test_export_failure_leaves_nothing(tmp_path):
     """A parity check that fails (tolerance 0) raises and leaves no file behind."""
     with pytest.raises(ExportError, match="differs from the FP32 model"):
