@@ -178,3 +178,83 @@ def _rounded_cosine(model, inputs: dict, low: torch.dtype, grads_fp32: dict) -> 
     grads = _grads(model)
     names = sorted(set(grads) & set(grads_fp32))
     return cosine(_flat(grads, names), _flat(grads_fp32, names))
+
+
+@dataclass
+class Update:
+    """One optimizer step through ``make_train_step`` against one FP32 eager step."""
+    cos: float  # cosine between the two parameter updates
+    must_move: set = field(repr=False)  # FP32 moves them clearly
+    may_move: set = field(repr=False)  # FP32 moves them at all
+    moved: set = field(repr=False)  # amp moved them
+    skipped: bool = False
+    low_nodes: int = 0  # LOW nodes in the step's plan
+    cos_rounded: float | None = None
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.skipped:
+            out.append("the step was skipped (Inf/NaN) where FP32's is finite")
+        if self.must_move - self.moved:
+            out.append(f"parameters FP32 updates, amp does not: {sorted(self.must_move - self.moved)[:5]}")
+        if self.moved - self.may_move:
+            out.append(f"parameters amp updates, FP32 leaves in place: {sorted(self.moved - self.may_move)[:5]}")
+        ill = self.cos_rounded is not None and self.cos_rounded < 0.99
+        if self.cos < 0.99 and not ill:
+            out.append(f"update cosine {self.cos:.4f} < 0.99")
+        if self.low_nodes == 0:
+            out.append("the plan has no LOW node")
+        return out
+
+
+def one_update(build, dtype: str = "bf16") -> Update:
+    """``build() -> (model, inputs)``: one SGD-with-momentum step clipped at norm 1.0, FP32 eager
+    against ``make_train_step`` (Inductor, the fused update); compares the parameter updates
+    (SGD's update is the clipped gradient, so rounding shows as it is; Adam's first step
+    would be its sign)."""
+    from amp_compiler import make_train_step
+
+    torch.manual_seed(0)
+    model, inputs = build()
+    _no_dropout(model)
+    model.train()
+    ref, pristine = copy.deepcopy(model), copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+
+    opt = sgd(ref)
+    torch.manual_seed(1)
+    _loss(ref(**inputs)).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    torch._dynamo.reset()
+    step = make_train_step(model, sgd(model), _loss, dtype=dtype, max_grad_norm=1.0)
+    torch.manual_seed(1)
+    result = step(inputs)
+
+    def delta(m):
+        return {n: (p.detach() - before[n]).flatten().double() for n, p in m.named_parameters()}
+
+    d_ref, d_amp = delta(ref), delta(model)
+    names = sorted(d_ref)
+    cos = cosine(torch.cat([d_ref[n] for n in names]), torch.cat([d_amp[n] for n in names]))
+    # Every parameter FP32 clearly moves, amp must move; none FP32 leaves exactly in place
+    # (frozen, unused) may amp move. Between the two lies rounding noise: CLIP's first-layer
+    # query and key biases, whose true gradient is zero, get ~1e-9 in FP32, 0 or more in BF16.
+    clear = 1e-3 * max(d.abs().max().item() for d in d_ref.values() if d.numel())
+
+    def moved(d, above=0.0):
+        return {n for n in names if d[n].numel() and d[n].abs().max().item() > above}
+
+    nonzero_fp32, nonzero_amp = moved(d_ref), moved(d_amp)
+    must, may = moved(d_ref, clear), nonzero_fp32
+    update = Update(cos, must, may, nonzero_amp,
+                    bool(result.skipped), step.backend.plan().summary()["nodes"].get("LOW", 0))
+    if update.cos < 0.99:
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        # clipping scaled FP32's gradients as a whole: their direction is unchanged
+        update.cos_rounded = _rounded_cosine(pristine, inputs, low, _grads(ref))
+    return update
+

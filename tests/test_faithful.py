@@ -673,6 +673,38 @@ def test_zoo_one_training_step_through_inductor_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STEP_ZOO))
+def test_zoo_train_step_updates_the_parameters_as_fp32_does(name):
+    """``make_train_step`` (Inductor, fused clipped SGD update, BF16): one step moves the same
+    parameters as FP32's eager step, in the same direction (cosine 0.99, unless rounding the
+    weights and inputs alone breaks FP32's gradient), and is not skipped."""
+    from differential import one_update
+
+    if name in INDUCTOR_CRASHES:
+        pytest.skip(INDUCTOR_CRASHES[name])
+    update = one_update(STEP_ZOO[name])
+    assert update.problems() == [], (name, update.cos, update.problems())
+
+
+def test_update_check_names_dropped_and_extra_updates():
+    """The train-step check's rules: a parameter FP32 clearly updates must move, one FP32 leaves
+    in place must not; rounding noise between the two is not judged; a low cosine yields only
+    to an ill-conditioned model."""
+    from differential import Update
+
+    ok = Update(0.9999, {"a"}, {"a", "noise"}, {"a"}, low_nodes=3)
+    assert ok.problems() == []
+    dropped = Update(0.9999, {"a", "b"}, {"a", "b"}, {"a"}, low_nodes=3)
+    assert "FP32 updates, amp does not: ['b']" in dropped.problems()[0]
+    extra = Update(0.9999, {"a"}, {"a"}, {"a", "frozen"}, low_nodes=3)
+    assert "FP32 leaves in place: ['frozen']" in extra.problems()[0]
+    assert "update cosine 0.5000 < 0.99" in Update(0.5, {"a"}, {"a"}, {"a"}, low_nodes=3).problems()[0]
+    assert Update(0.5, {"a"}, {"a"}, {"a"}, low_nodes=3, cos_rounded=0.05).problems() == []
+    assert Update(0.9999, {"a"}, {"a"}, {"a"}, skipped=True, low_nodes=3).problems()
+    assert Update(0.9999, {"a"}, {"a"}, {"a"}).problems() == ["the plan has no LOW node"]
+
+
 EXPORT_FAST = ("deberta_v2", "hubert_ctc", "mobilevit", "qwen3_moe")  # Bloom's with -m slow
 # ONNX cannot express these (no amp involved): the error must name what and say what to do
 NOT_EXPORTABLE = {
