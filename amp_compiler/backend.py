@@ -346,6 +346,11 @@ def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: floa
         patches["joint_custom_pre_pass"] = [
             InductorPass("amp_compiler.passes.saved_copies", "reuse_saved_copies"),
             InductorPass("amp_compiler.passes.recompute_masks", "recompute_masks")]
+        if memory_budget is None:
+            # the default budget recomputes activations, not the parameters' 16-bit copies
+            from amp_compiler.passes.weight_copies import WeightCopiesSaved
+
+            patches["custom_partitioner_fn"] = WeightCopiesSaved()
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
         patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.passes.fold_broadcast_bmm",
                                                             "fold_broadcast_bmm")

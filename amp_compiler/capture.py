@@ -117,6 +117,30 @@ def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> N
         traced.recompile()
 
 
+def _keep_dynamo_inputs(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
+    """Carry over what AOTAutograd reads off a Dynamo graph (its compile id, each input's
+    source and static mark): without it parameters are not static inputs, so the
+    partitioner prices saving them like activations (it saved 16-bit weight copies
+    instead) and CUDA graphs copy them in on every call. Left out where the inputs
+    do not line up one to one."""
+    if "dynamo_compile_id" not in source.meta:
+        return
+    theirs = list(source.graph.find_nodes(op="placeholder"))
+    ours = list(traced.graph.find_nodes(op="placeholder"))
+    if len(theirs) != len(ours) or not all(hasattr(n, "_dynamo_source") for n in theirs):
+        return
+    by_name = getattr(source, "_param_name_to_source", None) or {}
+    owned = [name for name, _ in (*traced.named_parameters(), *traced.named_buffers())]
+    if any(name not in by_name for name in owned):
+        return  # a tensor make_fx lifted into an attribute has no source to give
+    for mine, src in zip(ours, theirs):
+        mine._dynamo_source = src._dynamo_source
+        if "tensor_dict" in src.meta:
+            mine.meta["tensor_dict"] = src.meta["tensor_dict"]
+    traced._param_name_to_source = {name: by_name[name] for name in owned}
+    traced.meta["dynamo_compile_id"] = source.meta["dynamo_compile_id"]
+
+
 def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
             ) -> tuple[torch.fx.GraphModule, object, list]:
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake
@@ -134,4 +158,5 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()
     _keep_names(gm, aten_gm)
+    _keep_dynamo_inputs(gm, aten_gm)
     return aten_gm, fake_mode, inputs

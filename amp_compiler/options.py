@@ -53,8 +53,11 @@ class AmpOptions:
         speed-first partition saves; below it, cheap ops (casts, pointwise
         chains, residual adds) are recomputed in backward instead of saved.
         None (default): 0.8 in a 16-bit plan (23-29% fewer saved bytes at the same
-        step time, interleaved, native-BF16 CPU: LMs, Llama, encoder, CNN), 1.0
-        (Inductor's own) where the dtype is FP32 (the plan not applied). A graph with
+        step time, interleaved, native-BF16 CPU: LMs, Llama, encoder, CNN) with the
+        parameters' 16-bit copies saved, not recast in backward; 1.0 (Inductor's
+        own) where the dtype is FP32 (the plan not applied). An explicit budget
+        lets the partitioner recast the weight copies too (2 bytes per parameter
+        fewer saved, one more pass over the weights per step). A graph with
         random ops (dropout) always gets 1.0: below it the partitioner may
         recompute dropout in backward with a new mask.
     attention: how ``scaled_dot_product_attention`` runs in a 16-bit plan. "auto"

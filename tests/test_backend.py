@@ -727,3 +727,33 @@ def test_attention_explicit_runs_a_long_sdpa_as_bf16_matmuls():
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
     assert not rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
     assert torch.isfinite(q.grad).all()
+
+
+def test_parameters_reach_the_inner_compiler_as_static_inputs_as_under_plain_compile():
+    """The graph amp hands on carries Dynamo's input metadata: AOTAutograd marks the same
+    inputs static (parameters, buffers) as for plain torch.compile. Without it the
+    partitioner prices saving a parameter like an activation and CUDA graphs copy every
+    parameter in on each call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def static_indices(backend_of):
+        seen = []
+
+        def forward(gm, example_inputs):
+            seen.append(list(torch._guards.TracingContext.get().fw_metadata.static_input_indices))
+            return make_boxed_func(gm)
+
+        inner = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(4 * 6 * 6, 2))
+        out = torch.compile(model, backend=backend_of(inner))(torch.randn(2, 3, 8, 8))
+        out.float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+        return seen
+
+    plain = static_indices(lambda inner: inner)
+    ours = static_indices(lambda inner: AmpBackend(dtype="bf16", inner=inner))
+    assert plain == ours and len(ours) == 1 and len(ours[0]) == 9, (plain, ours)

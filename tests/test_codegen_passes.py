@@ -235,6 +235,41 @@ def test_memory_budget_recomputes_cheap_ops_with_the_same_gradients(no_caches):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def saved_weight_copies(model, x, **options):
+    """Shapes of the 16-bit tensors shaped like a weight (or its transpose) that backward
+    keeps, and the gradients."""
+    shapes = {tuple(s) for p in model.parameters() if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
+    copies = []
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+            copies.append(tuple(t.shape))
+        return t
+
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor", **options))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.pow(2).mean().backward()
+    return copies, [p.grad.clone() for p in model.parameters()]
+
+
+def test_weight_copies_are_saved_by_default_and_recast_under_an_explicit_budget(no_caches):
+    """Parameters are free to save (they live across the step), so under a budget below 1
+    the partitioner recasts their 16-bit copies in backward. The default keeps the copies
+    (no second pass over the weights); an explicit budget, even the default's 0.8, lets
+    the partitioner choose. Either way backward sees the same BF16 weights."""
+    torch.manual_seed(0)
+    model, x = GeluBlocks(), torch.randn(4, 64, 32)
+    kept, grads = saved_weight_copies(model, x)
+    assert sorted(kept) == sorted([(128, 32), (32, 128)] * 2), kept
+    recast, grads_recast = saved_weight_copies(model, x, memory_budget=0.8)
+    assert recast == []
+    for g, h in zip(grads, grads_recast):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-7)
+
+
 def test_memory_budget_is_never_applied_to_a_graph_with_random_ops(caplog):
     from amp_compiler.backend import memory_budget_for
     from amp_compiler.capture import to_aten
