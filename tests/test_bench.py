@@ -73,6 +73,15 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     assert "| amp-step |" in table and "python" in table
 
 
+def test_lowmem_variant_is_the_training_step_under_an_explicit_budget():
+    """Named only: the step whose partitioner may recast the weights' 16-bit copies."""
+    model, _, _, loss_fn, _ = bench.build("lm-sdpa", bench.SIZES["tiny"], "cpu")
+    variants = {n: bench.make_variant(n, model, loss_fn, "bf16", "cpu") for n in ("amp-step", "amp-step-lowmem")}
+    assert variants["amp-step"].train_step.backend.options.memory_budget is None
+    assert variants["amp-step-lowmem"].train_step.backend.options.memory_budget == bench.LOWMEM_BUDGET
+    assert "amp-step-lowmem" not in bench.VARIANTS  # not in a default run
+
+
 def test_paired_ratio_cancels_drift_between_repetitions():
     # the machine slows down 3x in the second repetition: both variants feel it
     ours, theirs = [90.0, 270.0, 95.0], [100.0, 300.0, 100.0]

@@ -654,11 +654,14 @@ def test_zoo_one_training_step_in_fp16_is_faithful(name):
     assert step.problems() == [], (name, step.problems())
 
 
-# Models whose backward crashes inside Inductor's generated code without amp too
-# (plain torch.compile, FP32 or autocast; torch 2.13 CPU), in most fresh processes.
+# Models whose backward Inductor cannot compile without amp too (plain torch.compile, FP32
+# or autocast; torch 2.13 CPU): it crashes in the generated code, or never finishes.
 INDUCTOR_CRASHES = {
     "falcon_alibi": "plain torch.compile (Inductor, no amp) segfaults in this model's backward "
                     "on torch 2.13 CPU (ALiBi index_put gradient kernel)",
+    "funnel": "plain torch.compile (Inductor, FP32, no amp) had not compiled one training step "
+              "after 400 s on torch 2.13 CPU (sympy simplifying strides while choosing the C++ "
+              "tiling of a backward kernel)",
 }
 
 
