@@ -78,3 +78,26 @@ def test_fp16_step_skips_on_inf_and_backs_off():
     r = step(ids, ids)
     assert r.skipped and step.scaler.get_scale() == 2.0**9
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_cuda_graphs_take_the_parameters_as_static_inputs():
+    """Under ``mode="reduce-overhead"`` CUDA graphs copy every non-static input in on each
+    replay. amp hands the parameters on as static inputs, as plain torch.compile does: the
+    same inputs are recorded as non-static (the token ids, the tangent), and nothing is
+    skipped."""
+    from torch._dynamo.utils import counters
+
+    def recorded(backend):
+        counters.clear()
+        torch._dynamo.reset()
+        model = _lm()
+        ids = torch.randint(0, 128, (8, 32), device=CUDA)
+        compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
+        for _ in range(3):
+            compiled(ids).float().pow(2).mean().backward()
+        inductor = counters["inductor"]
+        return inductor["cudagraph_recorded_non_static_inputs"], inductor["cudagraph_skips"]
+
+    plain = recorded("inductor")
+    ours = recorded(AmpBackend(dtype="bf16"))
+    assert ours == plain and ours[1] == 0, (ours, plain)
