@@ -130,9 +130,17 @@ def _keep_dynamo_inputs(source: torch.fx.GraphModule, traced: torch.fx.GraphModu
     if len(theirs) != len(ours) or not all(hasattr(n, "_dynamo_source") for n in theirs):
         return
     by_name = getattr(source, "_param_name_to_source", None) or {}
+    if any(name not in by_name for name, _ in traced.named_parameters()):
+        return
+    for name, value in list(traced.named_buffers()):
+        if name not in by_name and "." not in name:
+            # a constant make_fx lifted (a tensor literal in forward): a plain attribute, as
+            # AOTAutograd lifts it from Dynamo's graph, not an input that would need a source
+            del traced._buffers[name]
+            setattr(traced, name, value)
     owned = [name for name, _ in (*traced.named_parameters(), *traced.named_buffers())]
     if any(name not in by_name for name in owned):
-        return  # a tensor make_fx lifted into an attribute has no source to give
+        return
     for mine, src in zip(ours, theirs):
         mine._dynamo_source = src._dynamo_source
         if "tensor_dict" in src.meta:
