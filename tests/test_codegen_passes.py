@@ -128,17 +128,21 @@ def test_broadcast_bmm_control_without_the_pass(monkeypatch, no_caches):
 
 
 def test_compiled_graphs_stay_cacheable(no_caches):
-    """The custom passes carry stable cache keys: Inductor's FX graph cache is not bypassed
-    (a bypass recompiles every graph in every new process)."""
+    """The custom passes and the partitioner carry stable cache keys: neither Inductor's FX
+    graph cache nor AOTAutograd's cache is bypassed (a bypass recompiles every graph in every
+    new process)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    with torch._inductor.config.patch(fx_graph_cache=True):
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
         model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 8))
         compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor"))
         compiled(torch.randint(0, 64, (4, 12))).float().sum().backward()
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 2
+    aot = counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_miss"] + aot["autograd_cache_hit"] == 1, dict(aot)
 
 
 class Dropped(nn.Module):
