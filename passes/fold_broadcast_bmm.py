@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .graph_util import tensor_val
+from .graph_util import LOW_FLOATS, tensor_val
 
 aten = torch.ops.aten
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _shared_weight(node) -> torch.fx.Node | None:
@@ -49,7 +48,7 @@ def fold_broadcast_bmm(graph: torch.fx.Graph) -> int:
             continue
         x, wide = node.args
         w, out, xv = _shared_weight(wide), tensor_val(node), tensor_val(x)
-        if w is None or out is None or xv is None or out.device.type != "cpu" or out.dtype not in _LOW:
+        if w is None or out is None or xv is None or out.device.type != "cpu" or out.dtype not in LOW_FLOATS:
             continue
         b, m, k = xv.shape
         with graph.inserting_before(node):

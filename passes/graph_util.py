@@ -24,6 +24,27 @@ USER_CAST_OPS = {
 _REGION_FNS = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled"}
 
 
+# The 16-bit dtypes; and, in the joint forward+backward graph AOTAutograd traces, its cast
+# and its views (_unsafe_view has no alias in its schema, so is_view misses it, yet it
+# carries matmul outputs there)
+LOW_FLOATS = (torch.bfloat16, torch.float16)
+JOINT_CAST = torch.ops.prims.convert_element_type.default
+JOINT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+               torch.ops.aten.alias.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
+               torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+               torch.ops.aten.slice.Tensor, torch.ops.aten._unsafe_view.default}
+
+
+def closure(node: torch.fx.Node, ops) -> list[torch.fx.Node]:
+    """``node`` and the nodes reached from it through ``ops`` only."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(u for u in n.users if u.op == "call_function" and u.target in ops)
+    return out
+
+
 def val_dtype(value: object) -> object:
     """dtype of a meta value: a dtype, a tuple of them, or None."""
     if isinstance(value, torch.Tensor):

@@ -16,27 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .graph_util import node_dtype, tangent_dependent
+from .graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, node_dtype, tangent_dependent
 
-_CAST = torch.ops.prims.convert_element_type.default
-_LOW = (torch.bfloat16, torch.float16)
 _ALIAS = {torch.ops.aten.alias.default}
-# Views in the joint graph, where _unsafe_view (no alias in its schema, so not graph_util's
-# is_view) carries matmul outputs too.
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
-          torch.ops.aten.alias.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
-          torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
-          torch.ops.aten.slice.Tensor, torch.ops.aten._unsafe_view.default}
-
-
-def _closure(node: torch.fx.Node, ops) -> list[torch.fx.Node]:
-    """``node`` and the nodes reached from it through ``ops`` only."""
-    out, todo = [], [node]
-    while todo:
-        n = todo.pop()
-        out.append(n)
-        todo.extend(u for u in n.users if u.op == "call_function" and u.target in ops)
-    return out
 
 
 def _backward(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -59,19 +41,19 @@ def reuse_saved_copies(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node in bwd or node.op != "call_function" or node_dtype(node) != torch.float32:
             continue
-        copy = next((u for u in node.users if u.target is _CAST and u not in bwd
-                     and u.args[1] in _LOW), None)
+        copy = next((u for u in node.users if u.target is JOINT_CAST and u not in bwd
+                     and u.args[1] in LOW_FLOATS), None)
         if copy is None:
             continue
-        if not any(u in bwd for v in _closure(copy, _VIEWS) for u in v.users):
+        if not any(u in bwd for v in closure(copy, JOINT_VIEWS) for u in v.users):
             continue  # the copy is not saved: swapping would save it instead, at a precision cost
         # backward readers of the value, looking through aliases; all come after the copy
-        uses = [(u, v) for v in _closure(node, _ALIAS) for u in v.users
+        uses = [(u, v) for v in closure(node, _ALIAS) for u in v.users
                 if u in bwd and u.target not in _ALIAS and order[u] > order[copy]]
         if not uses:
             continue
         with graph.inserting_after(copy):
-            up = graph.call_function(_CAST, (copy, torch.float32))
+            up = graph.call_function(JOINT_CAST, (copy, torch.float32))
         up.meta["val"] = node.meta["val"]
         for user, value in uses:
             user.replace_input_with(value, up)

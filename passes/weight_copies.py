@@ -17,32 +17,19 @@ import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph_util import tangent_dependent
-
-_CAST = torch.ops.prims.convert_element_type.default
-_LOW = (torch.bfloat16, torch.float16)
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.permute.default, torch.ops.aten.t.default,
-          torch.ops.aten.transpose.int, torch.ops.aten.expand.default, torch.ops.aten.alias.default,
-          torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default}
+from . import graph_util
+from .graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, tangent_dependent
 
 
 def keep_weight_copies(graph: torch.fx.Graph, static: list[torch.fx.Node]) -> int:
     """Mark the forward's 16-bit casts of ``static`` inputs (through views) MUST_SAVE;
     returns how many."""
     bwd = tangent_dependent(graph)
-    done = 0
-    for primal in static:
-        todo = list(primal.users)
-        while todo:
-            n = todo.pop()
-            if n.op != "call_function" or n in bwd:
-                continue
-            if n.target in _VIEWS:
-                todo.extend(n.users)
-            elif n.target is _CAST and n.args[1] in _LOW:
-                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                done += 1
-    return done
+    casts = {u for primal in static for v in closure(primal, JOINT_VIEWS) for u in v.users
+             if u.target is JOINT_CAST and u.args[1] in LOW_FLOATS and u not in bwd}
+    for cast in casts:
+        cast.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return len(casts)
 
 
 class WeightCopiesSaved(CustomPartitionerFn):
@@ -55,8 +42,7 @@ class WeightCopiesSaved(CustomPartitionerFn):
         static = kwargs.get("static_lifetime_input_indices") or []
         primals = [n for n in gm.graph.nodes if _is_primal(n)]
         keep_weight_copies(gm.graph, [primals[i] for i in static if i < len(primals)])
-        kwargs.pop("compiler", None)
-        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, graph_util.__file__))

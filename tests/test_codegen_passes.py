@@ -211,6 +211,17 @@ class GeluBlocks(nn.Module):
         return x
 
 
+def grads_with_saved(model, x, pack, **options):
+    """One compiled forward with ``pack`` seeing every tensor saved for backward, then
+    backward; the gradients."""
+    model.zero_grad()
+    compiled = torch.compile(model, backend=AmpBackend(inner="inductor", **options))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def saved_bytes_and_grads(model, x, **options):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -220,12 +231,8 @@ def saved_bytes_and_grads(model, x, **options):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    model.zero_grad()
-    compiled = torch.compile(model, backend=AmpBackend(inner="inductor", **options))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = compiled(x)
-    out.pow(2).mean().backward()
-    return sum(seen.values()), [p.grad.clone() for p in model.parameters()]
+    grads = grads_with_saved(model, x, pack, **options)
+    return sum(seen.values()), grads
 
 
 def test_memory_budget_recomputes_cheap_ops_with_the_same_gradients(no_caches):
@@ -250,13 +257,9 @@ def saved_weight_copies(model, x, **options):
             copies.append(tuple(t.shape))
         return t
 
-    model.zero_grad()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor", **options))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = compiled(x)
-    out.pow(2).mean().backward()
-    return copies, [p.grad.clone() for p in model.parameters()]
+    grads = grads_with_saved(model, x, pack, dtype="bf16", **options)
+    return copies, grads
 
 
 def test_weight_copies_are_saved_by_default_and_recast_under_an_explicit_budget(no_caches):
