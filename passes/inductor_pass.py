@@ -10,7 +10,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 class InductorPass(CustomGraphPass):
     """Runs ``module.name(graph)`` (looked up at each call); Inductor's caches key it by the
-    module's source file, so an edited pass never reuses graphs compiled by the old one."""
+    module's source file and graph_util's, so an edited pass never reuses graphs compiled by
+    the old one."""
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
@@ -19,5 +20,10 @@ class InductorPass(CustomGraphPass):
         getattr(importlib.import_module(self.module), self.name)(graph)
 
     def uuid(self) -> bytes:
-        with open(importlib.import_module(self.module).__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
+        from . import graph_util  # the helpers every pass imports
+
+        digest = hashlib.sha256()
+        for path in (importlib.import_module(self.module).__file__, graph_util.__file__):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        return digest.digest()
