@@ -32,9 +32,14 @@ def gradient_flow(gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode:
         for i, x in enumerate(inputs):
             if isinstance(x, torch.Tensor):
                 leaf = x.detach().clone().requires_grad_(x.requires_grad)
+                # a Python float Dynamo made a graph input under dynamic shapes: its .item()
+                # answers the input's symbol, which the clone would otherwise lose
+                memo = getattr(x, "item_memo", None)
                 if x.requires_grad:
                     leaves[i] = leaf
                     leaf = leaf.clone()  # not a leaf, so in-place writes stay legal
+                if memo is not None:
+                    leaf.item_memo = memo
                 args.append(leaf)
             else:
                 args.append(x)

@@ -433,6 +433,35 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
     check_gradient_flow(original, original, inputs, mode)  # the same program passes
 
 
+class FloatAttribute(nn.Module):
+    """A Python float attribute in the arithmetic (Hugging Face rotary's attention_scaling):
+    under dynamic shapes Dynamo passes it as a 0-d tensor input and reads it with .item()."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scaling = 0.5
+
+    def forward(self, x):
+        return (self.lin(x).cos() * self.scaling).sum()
+
+
+def test_gradient_flow_is_checked_under_dynamic_shapes(monkeypatch, caplog):
+    from amp_compiler.passes import faithful
+
+    ran, real = [], faithful.gradient_flow
+    monkeypatch.setattr(faithful, "gradient_flow", lambda *a: ran.append(real(*a)) or ran[-1])
+    torch._dynamo.reset()
+    model = FloatAttribute()
+    f = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="aot_eager"), dynamic=True)
+    with caplog.at_level("WARNING", logger="amp_compiler"):
+        f(torch.randn(4, 8)).backward()
+    assert "gradient-flow check skipped" not in caplog.text
+    assert len(ran) == 2  # the graph as written and as rewritten both ran on the fakes
+    assert ran[0] == ran[1] and ran[0][0]  # parameters receive gradients in both
+    assert model.lin.weight.grad is not None
+
+
 def test_unknown_higher_order_op_runs_as_written():
     """torch.cond is no op the backend rewrites: it stays one node, fed FP32, grads intact."""
 
