@@ -14,7 +14,7 @@ from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
 from amp_compiler.passes.faithful import check_gradient_flow
 from amp_compiler.passes.graph_util import draws_random
 
-from .capture import to_aten
+from .capture import tensor_attributes, to_aten
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .meta import dtype_name
@@ -94,6 +94,8 @@ class AmpBackend:
                 opts: AmpOptions | None = None) -> torch.fx.GraphModule:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the new graph."""
         opts = opts or self.options
+        if _compiled_autograd_graph():
+            return self._record_backward(gm, example_inputs, opts)
         device = device_of(example_inputs)
         around = _autocast_around(device)
         if around is None:
@@ -120,7 +122,7 @@ class AmpBackend:
                                  f"around the call; amp's plan not applied ({why})")
                 plan.applied = False
                 self._record(CompileRecord(self.compiled, around, plan.dtype_reason, gm, plan,
-                                           [], opts, self._took(example_inputs)))
+                                           [], opts, self._took(gm, example_inputs)))
                 return gm
 
     def _rewrite_as(self, gm, example_inputs, opts, device, around) -> torch.fx.GraphModule:
@@ -157,7 +159,7 @@ class AmpBackend:
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts,
-                                   self._took(example_inputs)))
+                                   self._took(gm, example_inputs)))
         return aten_gm
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> torch.fx.GraphModule:
@@ -171,11 +173,23 @@ class AmpBackend:
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
         self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts,
-                                   self._took(example_inputs)))
+                                   self._took(gm, example_inputs)))
         return gm
 
-    def _took(self, example_inputs: Sequence[Any]) -> int:
-        leaves = _parameters(example_inputs)
+    def _record_backward(self, gm, example_inputs, opts) -> torch.fx.GraphModule:
+        """Compiled autograd's backward graph goes on as written: its dtypes are what the
+        forward graphs' plans made them (a 16-bit matmul's gradient is 16 bit, an FP32
+        island's is FP32); planning it again would put the islands' backward in 16 bit."""
+        reason = ("compiled autograd's backward graph: handed on as written, its dtypes "
+                  "follow the forward graphs' plans")
+        plan = GraphPlan(self.compiled, self.options.dtype, reason)
+        plan.applied = False
+        self._record(CompileRecord(self.compiled, self.options.dtype, reason, gm, plan, [], opts,
+                                   self._took(gm, example_inputs)))
+        return gm
+
+    def _took(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+        leaves = _parameters(gm, example_inputs)
         self.parameter_ids.update(map(id, leaves))
         return len(leaves)
 
@@ -186,7 +200,7 @@ class AmpBackend:
         del self.records[:-self.max_records]
         s = record.plan.summary()
         if not record.plan.applied:
-            log.info("graph %d: FP32, handed on unchanged (%s)", record.index, record.dtype_reason)
+            log.info("graph %d: handed on unchanged (%s)", record.index, record.dtype_reason)
             return
         log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", record.index,
                  s["nodes"]["LOW"], sum(s["nodes"].values()), record.dtype, s["nodes"]["FP32"],
@@ -253,10 +267,13 @@ class AmpBackend:
         self.parameter_ids.clear()
 
 
-def _parameters(example_inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """Trainable leaves among a graph's inputs: Dynamo lifts the parameters the graph uses.
-    A graph of only a loss on an output computed eagerly has none."""
-    return [x for x in example_inputs if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
+def _parameters(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Trainable leaves the graph takes: Dynamo lifts the parameters it uses to inputs, or
+    (install_free_tensors) holds them on the graph. A graph of only a loss on an output
+    computed eagerly has none."""
+    held = tensor_attributes(gm).values()
+    return [x for x in (*example_inputs, *held)
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
 
 
 def _with_policy(reason: str, opts: AmpOptions) -> str:
@@ -326,6 +343,12 @@ def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
 
 # Inductor stores a value used more than once when it reads more buffers than this (its own: 4)
 REALIZE_READS = 2
+
+
+def _compiled_autograd_graph() -> bool:
+    """Whether Dynamo is compiling compiled autograd's backward graph, not a forward."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return getattr(compile_id, "compiled_autograd_id", None) is not None
 
 
 def _inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float | None) -> Callable:

@@ -13,6 +13,7 @@ subgraph, an OPAQUE op is recorded as the node Dynamo gave, bodies untouched.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,73 @@ def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
             )
         out.append(x)
     return out, fake_mode
+
+
+def tensor_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The real tensors ``gm`` reads off its module (get_attr), by target: Dynamo's graph of
+    an optimizer step holds the parameters it updates in place, and their state, so; under
+    ``install_free_tensors`` a forward holds the parameters so."""
+    found = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            found[node.target] = value
+    return found
+
+
+def held_tensors(*graphs: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors the graphs read off their modules, each once, in a fixed order."""
+    return list({id(t): t for gm in graphs for t in tensor_attributes(gm).values()}.values())
+
+
+def lift_attributes(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]
+                    ) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that takes ``tensors`` as inputs after its own, in that order, in place
+    of reading them off the module (one it does not read becomes an unused input). Traced
+    so, an in-place update of one is an op on an input, as AOTAutograd lifts a module's
+    parameters and buffers; a fake mode, which refuses real tensors, can run it."""
+    held = tensor_attributes(gm)
+    lifted = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = lifted.graph
+    last = list(graph.find_nodes(op="placeholder"))[-1:]
+    for i, tensor in enumerate(tensors):
+        targets = [target for target, t in held.items() if t is tensor]
+        name = targets[0].replace(".", "_") if targets else f"_held_{i}"
+        with graph.inserting_after(last[0]) if last else graph.inserting_before(next(iter(graph.nodes))):
+            placeholder = graph.placeholder(name)
+        last = [placeholder]
+        for target in targets:
+            for node in list(graph.find_nodes(op="get_attr", target=target)):
+                node.replace_all_uses_with(placeholder)
+                graph.erase_node(node)
+    lifted.recompile()
+    return lifted
+
+
+def _restore_attributes(gm: torch.fx.GraphModule, traced: torch.fx.GraphModule,
+                        tensors: Sequence[torch.Tensor]) -> None:
+    """Turn the trailing inputs ``lift_attributes`` added back into get_attr reads of the same
+    tensors, held on ``traced`` as ``gm`` held them (parameter, buffer or plain attribute)."""
+    held = tensor_attributes(gm)
+    params, buffers = dict(gm.named_parameters()), dict(gm.named_buffers())
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))[-len(tensors):]
+    for tensor, placeholder in zip(tensors, placeholders):
+        target = next(target for target, t in held.items() if t is tensor)
+        name = target.replace(".", "_")
+        if target in params:
+            traced.register_parameter(name, tensor)
+        elif target in buffers:
+            traced.register_buffer(name, tensor)
+        else:
+            setattr(traced, name, tensor)
+        with traced.graph.inserting_before(placeholder):
+            read = traced.graph.get_attr(name)
+        read.meta = dict(placeholder.meta)
+        placeholder.replace_all_uses_with(read)
+        traced.graph.erase_node(placeholder)
+    traced.recompile()
 
 
 class _Capture(torch.fx.Interpreter):
@@ -154,14 +222,18 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake
     mode, the fake inputs it was traced with)."""
 
-    outlined = outline_vmap_regions(gm)
+    tensors = held_tensors(gm)
+    outlined = outline_vmap_regions(lift_attributes(gm, tensors) if tensors else gm)
 
     def run(*args):
         return _Capture(outlined).run(*args)
 
     inputs, fake_mode = fake_inputs(example_inputs)
+    lifted = [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
     with fx_traceback.preserve_node_meta(), fake_mode:
-        aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs)
+        aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs, *lifted)
+    if tensors:
+        _restore_attributes(gm, aten_gm, tensors)
     # Tracing leaves dead nodes behind (size checks, constants built under vmap
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()

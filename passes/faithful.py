@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from amp_compiler.capture import held_tensors, lift_attributes, tensor_attributes
+
 from .verify import AmpVerifyError
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,16 @@ def gradient_flow(gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode:
 def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.GraphModule,
                         inputs: Sequence[object], fake_mode: object) -> None:
     """Raise AmpVerifyError when ``rewritten`` differentiates differently from ``original``."""
-    if not torch.is_grad_enabled() or not any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+    if not torch.is_grad_enabled():
+        return
+    names = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"]
+    held = held_tensors(original, rewritten)
+    targets = {id(t): target for gm in (original, rewritten) for target, t in tensor_attributes(gm).items()}
+    names += [targets[id(t)] for t in held]
+    if held:  # parameters held on the graph (install_free_tensors) are its leaves as well
+        original, rewritten = lift_attributes(original, held), lift_attributes(rewritten, held)
+        inputs = [*inputs, *(fake_mode.from_tensor(t, static_shapes=True) for t in held)]
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
         return
     try:
         before = gradient_flow(original, inputs, fake_mode)
@@ -70,7 +80,6 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
         log.warning("gradient-flow check skipped: a graph did not run on fake inputs "
                     "(%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return
-    names = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"]
     for i in sorted(before[0] ^ after[0]):
         had = "receives" if i in before[0] else "receives no"
         now = "none" if i in before[0] else "one"

@@ -231,7 +231,7 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
                 continue
             if not fresh and isinstance(node.target, torch._ops.HigherOrderOperator):
                 continue  # its inputs keep their dtypes at the boundary, so its outputs do too
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n))
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n, fake_mode))
             new = node.target(*args, **kwargs)
             if fresh or val_dtype(new) != val_dtype(node.meta.get("val")) or \
                     any(i in changed for i in node.all_input_nodes):
@@ -239,8 +239,12 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             node.meta["val"] = new
 
 
-def _value(gm: torch.fx.GraphModule, node: torch.fx.Node) -> object:
-    """A node's fake value; a subgraph (get_attr) is the module itself."""
+def _value(gm: torch.fx.GraphModule, node: torch.fx.Node, fake_mode: object) -> object:
+    """A node's fake value; a subgraph (get_attr) is the module itself, a tensor held on the
+    module (an optimizer step's parameters) its fake, as the fake mode takes no real tensor."""
     if node.op == "get_attr":
-        return torch.fx.graph_module._get_attr(gm, node.target)
+        value = torch.fx.graph_module._get_attr(gm, node.target)
+        if isinstance(value, torch.Tensor) and fake_mode is not None:
+            return node.meta["val"] if "val" in node.meta else fake_mode.from_tensor(value, static_shapes=True)
+        return value
     return node.meta.get("val")

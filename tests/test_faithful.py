@@ -433,6 +433,32 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
     check_gradient_flow(original, original, inputs, mode)  # the same program passes
 
 
+def test_gradient_flow_check_covers_parameters_held_on_the_graph():
+    """A parameter the graph reads off its module (get_attr) is a leaf the check follows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Program(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return (x @ self.w).sum()
+
+    class Broken(Program):
+        def forward(self, x):
+            return (x @ self.w.detach()).sum()
+
+    w = nn.Parameter(torch.randn(3, 3))
+    original, rewritten = torch.fx.symbolic_trace(Program(w)), torch.fx.symbolic_trace(Broken(w))
+    assert original.graph.find_nodes(op="get_attr")
+    mode = FakeTensorMode()
+    inputs = [mode.from_tensor(torch.randn(2, 3))]
+    with pytest.raises(AmpVerifyError, match="node 'w'.*none after the amp rewrite"):
+        check_gradient_flow(original, rewritten, inputs, mode)
+    check_gradient_flow(original, original, inputs, mode)  # the same program passes
+
+
 class FloatAttribute(nn.Module):
     """A Python float attribute in the arithmetic (Hugging Face rotary's attention_scaling):
     under dynamic shapes Dynamo passes it as a 0-d tensor input and reads it with .item()."""
