@@ -182,9 +182,10 @@ class AmpBackend:
         island's is FP32); planning it again would put the islands' backward in 16 bit."""
         reason = ("compiled autograd's backward graph: handed on as written, its dtypes "
                   "follow the forward graphs' plans")
-        plan = GraphPlan(self.compiled, self.options.dtype, reason)
+        dtype = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)[0]
+        plan = GraphPlan(self.compiled, dtype, reason)
         plan.applied = False
-        self._record(CompileRecord(self.compiled, self.options.dtype, reason, gm, plan, [], opts,
+        self._record(CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts,
                                    self._took(gm, example_inputs)))
         return gm
 
