@@ -66,11 +66,12 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
         assert r["step_ms"] > 0 and len(r["step_ms_samples"]) == 2 and r["first_call_s"] > 0
         assert r["saved_bytes"] > 0 and r["grad_cos"] > 0.99
     assert runs["amp-step"]["casts"] > 0 and runs["amp-step"]["plan"]["nodes"]["LOW"] > 0
+    assert runs["amp-step"]["kernels"] > 0 and runs["fp32-eager"]["kernels"] is None
     assert results["machine"]["cpu_kind"] and png.stat().st_size > 1000
     capsys.readouterr()
     bench.main(["--table", str(out)])
     table = capsys.readouterr().out
-    assert "| amp-step |" in table and "python" in table
+    assert "| amp-step |" in table and "python" in table and "| kernels |" in table
 
 
 def test_lowmem_variant_is_the_training_step_under_an_explicit_budget():

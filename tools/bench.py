@@ -21,8 +21,9 @@ Metrics: median training-step and inference time over interleaved repetitions, f
 time (compile included, caches off, each variant into an empty kernel cache, after every
 variant has run once on a tiny model: no one-time process cost lands on one), activation
 bytes saved for backward (parameters excluded; 16-bit weight copies count), peak memory
-(CUDA), floating casts in the training graphs Inductor compiled (forward + backward), loss
-and gradient error vs FP32 eager.
+(CUDA), floating casts in the training graphs Inductor compiled (forward + backward), the
+kernels Inductor generated for the first call (what it compiles, the same on every machine),
+loss and gradient error vs FP32 eager.
 
 These machines are shared and noisy: compare the ratios of one run, never absolute times
 across runs. Do not run beside another torch process.
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._inductor import metrics as inductor_metrics
 
 from amp_compiler import AmpBackend, make_train_step
 from amp_compiler.atomic import write_text
@@ -420,7 +422,12 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
             # an earlier variant compiled must not make a later one's first call look cheap
             with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                                                    delete=False):
+                kernels = inductor_metrics.generated_kernel_count
                 v.result["first_call_s"] = timed(lambda: first_step(v, x, y), device)
+                # what the first call compiles (C++/Triton kernels Inductor generated): on few
+                # cores the compiler's time, and unlike seconds the same on every machine
+                v.result["kernels"] = (inductor_metrics.generated_kernel_count - kernels
+                                       if v.compiled else None)
             v.step(x, y)
             if device == "cuda":
                 v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -502,9 +509,15 @@ def paired_ratio(samples: list[float], base: list[float]) -> float:
     return statistics.median(s / b for s, b in zip(samples, base))
 
 
+def _has_kernels(workload: dict) -> bool:
+    """Whether the run counted kernels (runs before the column have none: shown as they were)."""
+    return any("kernels" in r for r in workload["variants"].values())
+
+
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
     base = workload["variants"].get(baseline(workload))
+    kernels = _has_kernels(workload)
     for name, r in workload["variants"].items():
         paired = f"{paired_ratio(r['step_ms_samples'], base['step_ms_samples']):.2f}" if base else "-"
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
@@ -513,6 +526,7 @@ def rows(workload: dict) -> list[tuple[str, ...]]:
                     f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
                     f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
                     f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-")
+                   + (("-" if r.get("kernels") is None else str(r["kernels"]),) if kernels else ())
                    + ((f"{r['tflops']:.1f}", "-" if r.get("mfu") is None else f"{r['mfu']:.1%}")
                       if "tflops" in r else ()))
     return out
@@ -527,7 +541,8 @@ def markdown(results: dict) -> str:
              "of median step times (below 1 is faster); `paired` the median of the ratios within each "
              "repetition, which a busy machine moves less.", ""]
     for name, w in results["workloads"].items():
-        extra = ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
+        extra = (("kernels",) if _has_kernels(w) else ()) + (
+            ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ())
         base = "fp32-inductor" if baseline(w) == "fp32-inductor" else "autocast+inductor"
         head = ("variant",) + tuple(c.format(base=base) for c in COLUMNS) + extra
         lines += [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
