@@ -866,3 +866,31 @@ def test_parameters_held_on_the_graph_module_are_planned_and_trained(monkeypatch
     assert backend.with_parameters == 1 and backend.parameters_outside(model) == []
     assert recorder.dtypes_of(torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm)
     assert all(dt == torch.bfloat16 for dts in recorder.dtypes_of(torch.ops.aten.mm) for dt in dts)
+
+
+def test_optimizer_step_marks_the_same_inputs_static_as_plain_compile():
+    """The parameters and state an optimizer step reads off its module reach AOTAutograd as
+    static inputs, as under plain torch.compile (CUDA graphs would copy them in otherwise)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def static_indices(backend_of):
+        seen = []
+
+        def forward(gm, example_inputs):
+            fw_metadata = torch._guards.TracingContext.get().fw_metadata
+            seen.append((list(fw_metadata.static_input_indices), len(example_inputs)))
+            return make_boxed_func(gm)
+
+        inner = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        model(torch.randn(4, 16)).sum().backward()
+        torch.compile(lambda: opt.step(), backend=backend_of(inner))()
+        return seen
+
+    plain = static_indices(lambda inner: inner)
+    ours = static_indices(lambda inner: AmpBackend(dtype="bf16", inner=inner))
+    assert plain == ours and ours[0][0], (plain, ours)
