@@ -657,15 +657,23 @@ STEP_ZOO = {**ZOO, **more()}  # the training-step checks run on both sets
 FAST = {"bloom", "deepseek_v3", "deberta_v2", "clip", "hubert_ctc"}
 
 
-# Known weak spots (none now). Random-init MobileViT once looked like one (cosine 0.985 vs
-# autocast's 0.9999): dropout masks drawn in another order by compiled code; with dropout
-# off (differential._no_dropout) both are ~0.8 at this size, amp above autocast.
-KNOWN: dict[str, str] = {}
+# Known weak spots, by the CPU kind they show on. Random-init MobileViT once looked like one
+# (cosine 0.985 vs autocast's 0.9999): dropout masks drawn in another order by compiled code;
+# with dropout off (differential._no_dropout) both are ~0.8 at this size, amp above autocast
+# where BF16 is native. Where oneDNN emulates BF16 (no AVX512-BF16) amp lands below:
+EMULATED_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+KNOWN: dict[str, str] = {
+    "mobilevit": "CPU emulating BF16: gradient cosine 0.8215 against autocast's 0.8783 "
+                 "(2026-12-02). Ill-conditioned in its compute at random init, not in its "
+                 "weights (rounding only weights and inputs: >= 0.99): per parameter the two "
+                 "straddle (amp 0.74 vs 0.52 on one attention projection's bias, -0.64 vs 0.70 "
+                 "on a LayerNorm bias); convolutions in FP32 make it pass",
+} if EMULATED_BF16 else {}
 
 
 def _marks(name):
     marks = [] if name in FAST else [pytest.mark.slow]
-    if name in KNOWN:
+    if name in KNOWN:  # strict: an XPASS says the entry is stale
         marks.append(pytest.mark.xfail(reason=KNOWN[name], strict=True))
     return marks
 
