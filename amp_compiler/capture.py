@@ -70,28 +70,33 @@ def tensor_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return found
 
 
-def held_tensors(*graphs: torch.fx.GraphModule) -> list[torch.Tensor]:
-    """The tensors the graphs read off their modules, each once, in a fixed order."""
-    return list({id(t): t for gm in graphs for t in tensor_attributes(gm).values()}.values())
+def held_tensors(*graphs: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors the graphs read off their modules, each once (under the first target that
+    reads it), in a fixed order."""
+    held, seen = {}, set()
+    for gm in graphs:
+        for target, tensor in tensor_attributes(gm).items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                held[target] = tensor
+    return held
 
 
-def lift_attributes(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]
+def lift_attributes(gm: torch.fx.GraphModule, held: dict[str, torch.Tensor]
                     ) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that takes ``tensors`` as inputs after its own, in that order, in place
-    of reading them off the module (one it does not read becomes an unused input). Traced
-    so, an in-place update of one is an op on an input, as AOTAutograd lifts a module's
-    parameters and buffers; a fake mode, which refuses real tensors, can run it."""
-    held = tensor_attributes(gm)
+    """A copy of ``gm`` that takes the ``held`` tensors as inputs after its own, in that order,
+    in place of reading them off the module (one it does not read becomes an unused input).
+    Traced so, an in-place update of one is an op on an input, as AOTAutograd lifts a
+    module's parameters and buffers; a fake mode, which refuses real tensors, can run it."""
+    reads = tensor_attributes(gm)
     lifted = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     graph = lifted.graph
     last = list(graph.find_nodes(op="placeholder"))[-1:]
-    for i, tensor in enumerate(tensors):
-        targets = [target for target, t in held.items() if t is tensor]
-        name = targets[0].replace(".", "_") if targets else f"_held_{i}"
+    for name, tensor in held.items():
         with graph.inserting_after(last[0]) if last else graph.inserting_before(next(iter(graph.nodes))):
-            placeholder = graph.placeholder(name)
+            placeholder = graph.placeholder(name.replace(".", "_"))
         last = [placeholder]
-        for target in targets:
+        for target in (target for target, t in reads.items() if t is tensor):
             for node in list(graph.find_nodes(op="get_attr", target=target)):
                 node.replace_all_uses_with(placeholder)
                 graph.erase_node(node)
@@ -100,14 +105,13 @@ def lift_attributes(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]
 
 
 def _restore_attributes(gm: torch.fx.GraphModule, traced: torch.fx.GraphModule,
-                        tensors: Sequence[torch.Tensor]) -> None:
-    """Turn the trailing inputs ``lift_attributes`` added back into get_attr reads of the same
-    tensors, held on ``traced`` as ``gm`` held them (parameter, buffer or plain attribute)."""
-    held = tensor_attributes(gm)
+                        held: dict[str, torch.Tensor]) -> None:
+    """Turn the trailing inputs ``lift_attributes`` added for ``gm``'s own ``held`` tensors
+    back into get_attr reads of them, held on ``traced`` as ``gm`` held them (parameter,
+    buffer or plain attribute)."""
     params, buffers = dict(gm.named_parameters()), dict(gm.named_buffers())
-    placeholders = list(traced.graph.find_nodes(op="placeholder"))[-len(tensors):]
-    for tensor, placeholder in zip(tensors, placeholders):
-        target = next(target for target, t in held.items() if t is tensor)
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))[-len(held):]
+    for (target, tensor), placeholder in zip(held.items(), placeholders):
         name = target.replace(".", "_")
         if target in params:
             traced.register_parameter(name, tensor)
@@ -222,18 +226,18 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake
     mode, the fake inputs it was traced with)."""
 
-    tensors = held_tensors(gm)
-    outlined = outline_vmap_regions(lift_attributes(gm, tensors) if tensors else gm)
+    held = held_tensors(gm)
+    outlined = outline_vmap_regions(lift_attributes(gm, held) if held else gm)
 
     def run(*args):
         return _Capture(outlined).run(*args)
 
     inputs, fake_mode = fake_inputs(example_inputs)
-    lifted = [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
+    held_fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in held.values()]
     with fx_traceback.preserve_node_meta(), fake_mode:
-        aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs, *lifted)
-    if tensors:
-        _restore_attributes(gm, aten_gm, tensors)
+        aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs, *held_fakes)
+    if held:
+        _restore_attributes(gm, aten_gm, held)
     # Tracing leaves dead nodes behind (size checks, constants built under vmap
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from amp_compiler.capture import held_tensors, lift_attributes, tensor_attributes
+from amp_compiler.capture import held_tensors, lift_attributes
 
 from .verify import AmpVerifyError
 
@@ -62,13 +62,11 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
     """Raise AmpVerifyError when ``rewritten`` differentiates differently from ``original``."""
     if not torch.is_grad_enabled():
         return
-    names = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"]
     held = held_tensors(original, rewritten)
-    targets = {id(t): target for gm in (original, rewritten) for target, t in tensor_attributes(gm).items()}
-    names += [targets[id(t)] for t in held]
+    names = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"] + list(held)
     if held:  # parameters held on the graph (install_free_tensors) are its leaves as well
         original, rewritten = lift_attributes(original, held), lift_attributes(rewritten, held)
-        inputs = [*inputs, *(fake_mode.from_tensor(t, static_shapes=True) for t in held)]
+        inputs = [*inputs, *(fake_mode.from_tensor(t, static_shapes=True) for t in held.values())]
     if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
         return
     try:

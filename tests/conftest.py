@@ -72,6 +72,17 @@ def no_caches():
         yield
 
 
+@pytest.fixture
+def gradient_flow_runs(monkeypatch):
+    """The results of every gradient-flow run (the backend's check runs it on the graph as
+    written and as rewritten), so a test can see the check ran rather than was skipped."""
+    from amp_compiler.passes import faithful
+
+    ran, real = [], faithful.gradient_flow
+    monkeypatch.setattr(faithful, "gradient_flow", lambda *a: ran.append(real(*a)) or ran[-1])
+    return ran
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

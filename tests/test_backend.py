@@ -745,6 +745,29 @@ def _conv_bn():
                          nn.Linear(4 * 6 * 6, 2)), torch.randn(2, 3, 8, 8)
 
 
+def _static_input_indices(compile_and_run) -> tuple[list, list]:
+    """(static input indices, input count) AOTAutograd saw for each forward that
+    ``compile_and_run(backend)`` compiled: under plain torch.compile, then under amp."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def seen_with(backend_of):
+        seen = []
+
+        def forward(gm, example_inputs):
+            fw_metadata = torch._guards.TracingContext.get().fw_metadata
+            seen.append((list(fw_metadata.static_input_indices), len(example_inputs)))
+            return make_boxed_func(gm)
+
+        inner = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compile_and_run(backend_of(inner))
+        return seen
+
+    return seen_with(lambda inner: inner), seen_with(lambda inner: AmpBackend(dtype="bf16", inner=inner))
+
+
 @pytest.mark.parametrize("build", [_conv_bn, lambda: (Literal(), torch.randn(2, 4))],
                          ids=["conv-bn", "tensor-literal"])
 def test_parameters_reach_the_inner_compiler_as_static_inputs_as_under_plain_compile(build):
@@ -752,29 +775,14 @@ def test_parameters_reach_the_inner_compiler_as_static_inputs_as_under_plain_com
     inputs static (parameters, buffers) as for plain torch.compile. Without it the
     partitioner prices saving a parameter like an activation and CUDA graphs copy every
     parameter in on each call."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def static_indices(backend_of):
-        seen = []
-
-        def forward(gm, example_inputs):
-            seen.append(list(torch._guards.TracingContext.get().fw_metadata.static_input_indices))
-            return make_boxed_func(gm)
-
-        inner = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
+    def compile_and_run(backend):
         model, x = build()
-        out = torch.compile(model, backend=backend_of(inner))(x)
-        out.float().sum().backward()
+        torch.compile(model, backend=backend)(x).float().sum().backward()
         assert all(p.grad is not None for p in model.parameters())
-        return seen
 
-    plain = static_indices(lambda inner: inner)
-    ours = static_indices(lambda inner: AmpBackend(dtype="bf16", inner=inner))
+    plain, ours = _static_input_indices(compile_and_run)
     n_params = sum(1 for _ in build()[0].parameters())
-    assert plain == ours and len(ours) == 1 and len(ours[0]) >= n_params, (plain, ours)
+    assert plain == ours and len(ours) == 1 and len(ours[0][0]) >= n_params, (plain, ours)
 
 
 @pytest.mark.parametrize("make", [
@@ -840,14 +848,10 @@ def test_compiled_autograd_backward_graph_goes_on_as_written():
     assert matmuls and all(dtypes == [torch.bfloat16] * 2 for dtypes in matmuls)
 
 
-def test_parameters_held_on_the_graph_module_are_planned_and_trained(monkeypatch, caplog):
+def test_parameters_held_on_the_graph_module_are_planned_and_trained(gradient_flow_runs, caplog):
     """Under Dynamo's install_free_tensors the parameters reach amp as attributes of the graph
     (get_attr), not inputs: they are planned, checked and receive their gradients."""
-    from amp_compiler.passes import faithful
-
-    ran, real = [], faithful.gradient_flow
-    monkeypatch.setattr(faithful, "gradient_flow", lambda *a: ran.append(real(*a)) or ran[-1])
-    torch.manual_seed(0)
+    ran = gradient_flow_runs
     model = TinyLM()
     eager = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 16))
@@ -871,26 +875,11 @@ def test_parameters_held_on_the_graph_module_are_planned_and_trained(monkeypatch
 def test_optimizer_step_marks_the_same_inputs_static_as_plain_compile():
     """The parameters and state an optimizer step reads off its module reach AOTAutograd as
     static inputs, as under plain torch.compile (CUDA graphs would copy them in otherwise)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def static_indices(backend_of):
-        seen = []
-
-        def forward(gm, example_inputs):
-            fw_metadata = torch._guards.TracingContext.get().fw_metadata
-            seen.append((list(fw_metadata.static_input_indices), len(example_inputs)))
-            return make_boxed_func(gm)
-
-        inner = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
+    def compile_and_run(backend):
         model = MLP()
         opt = torch.optim.AdamW(model.parameters(), foreach=False)
         model(torch.randn(4, 16)).sum().backward()
-        torch.compile(lambda: opt.step(), backend=backend_of(inner))()
-        return seen
+        torch.compile(lambda: opt.step(), backend=backend)()
 
-    plain = static_indices(lambda inner: inner)
-    ours = static_indices(lambda inner: AmpBackend(dtype="bf16", inner=inner))
+    plain, ours = _static_input_indices(compile_and_run)
     assert plain == ours and ours[0][0], (plain, ours)
