@@ -91,6 +91,9 @@ class AmpOptions:
     # the loaded file and the option names given explicitly beside it
     policy_source: object = field(default=None, compare=False, repr=False)
     policy_overridden: tuple = field(default=(), compare=False, repr=False)
+    # names the caller set (None: every field that differs from its default); ``replace``
+    # carries only these, so a policy file given later still fills in the rest
+    given: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype) if _hashable(self.dtype) else None
@@ -155,8 +158,7 @@ class AmpOptions:
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)
-                if f.name not in ("policy_cache", "policy_source", "policy_overridden")]
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _HIDDEN]
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None = None, **kwargs: Any) -> AmpOptions:
@@ -167,24 +169,52 @@ class AmpOptions:
             raise AmpOptionsError(
                 f"unknown option(s) {unknown}; valid options are {cls.names()}"
             )
-        extra = {}
+        return cls._build(merged)
+
+    @classmethod
+    def _build(cls, merged: dict, source: object = None) -> AmpOptions:
+        extra = {"given": tuple(sorted(merged))}
         if merged.get("policy_file") is not None:
-            extra = _with_policy_file(merged)
+            extra.update(_with_policy_file(merged, source))
         return cls(**merged, **extra)
 
+    def explicit(self) -> dict[str, Any]:
+        """The options the caller set, by name (a policy file's are not among them)."""
+        if self.given is not None:
+            return {n: getattr(self, n) for n in self.given}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _HIDDEN and getattr(self, f.name) != _default(f)}
+
     def replace(self, **changes: Any) -> AmpOptions:
-        return self.from_mapping({n: getattr(self, n) for n in self.names()}, **changes)
+        """These options with ``changes`` on top. A policy file (kept or newly given) fills
+        in what is set neither here nor in ``changes``."""
+        unknown = sorted(set(changes) - set(self.names()))
+        if unknown:
+            raise AmpOptionsError(f"unknown option(s) {unknown}; valid options are {self.names()}")
+        merged = {**self.explicit(), **changes}
+        same_file = "policy_file" not in changes or changes["policy_file"] == self.policy_file
+        return self._build(merged, self.policy_source if same_file else None)
 
 
-def _with_policy_file(merged: dict) -> dict:
-    """Fold a policy file into ``merged`` (in place): explicit options win, per name."""
+_HIDDEN = ("policy_cache", "policy_source", "policy_overridden", "given")
+
+
+def _default(f: dataclasses.Field) -> object:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _with_policy_file(merged: dict, source: object = None) -> dict:
+    """Fold a policy file into ``merged`` (in place): explicit options win, per name.
+    ``source``: the file as already loaded (``replace`` keeping the same file)."""
     from .policy_file import PolicyFile, PolicyFileError
 
     path = merged["policy_file"]
     if not isinstance(path, (str, os.PathLike)):
         raise AmpOptionsError(f"policy_file must be a path, got {path!r}")
     try:
-        policy = PolicyFile.load(os.fspath(path))
+        policy = source if source is not None else PolicyFile.load(os.fspath(path))
     except PolicyFileError as e:
         raise AmpOptionsError(str(e)) from None
     overridden = []

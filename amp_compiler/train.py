@@ -77,6 +77,10 @@ class TrainStep:
         # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
         joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
         self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
+        if joint and backend.options.low_precision_outputs:
+            log.warning("amp: low_precision_outputs has no effect here: the compiled graph returns "
+                        "the loss, which stays FP32; pass compile_loss=False to have the model's "
+                        "outputs returned in 16 bit")
         self.micro_step = 0
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0

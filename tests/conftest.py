@@ -1,4 +1,4 @@
-"""Shared test helpers: a recording inner backend and small models."""
+"""Fixtures and pytest hooks; the helpers tests import live in ``helpers.py``."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import amp_compiler.device
 
-aten = torch.ops.aten
 _REAL_NATIVE = amp_compiler.device.native_dtypes  # before any test replaces it
 
 
@@ -89,154 +84,3 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
-
-
-class OpRecorder(TorchDispatchMode):
-    """Records (op packet, floating input dtypes) of every ATen op executed."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[object, list[torch.dtype]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.record(func.overloadpacket, args, kwargs)
-        return func(*args, **kwargs)
-
-    def record(self, op, args, kwargs) -> None:
-        self.calls.append((op, [a.dtype for a in tree_leaves((args, kwargs))
-                                if isinstance(a, torch.Tensor) and a.is_floating_point()]))
-
-    def dtypes_of(self, *packets) -> list[list[torch.dtype]]:
-        return [d for p, d in self.calls if p in packets]
-
-
-def recording_backend(recorder: OpRecorder, graphs: list | None = None, partition_fn=None):
-    """aot_eager, with forward and backward executed under ``recorder``.
-
-    Also keeps the graphs the amp backend handed over in ``graphs``;
-    ``partition_fn`` replaces AOTAutograd's default partitioner.
-    """
-    from torch._dynamo.backends.common import aot_autograd
-
-    def run_recorded(gm, example_inputs):
-        def run(args):
-            with recorder:
-                return gm(*args)
-
-        run._boxed_call = True
-        return run
-
-    aot = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded,
-                       **({"partition_fn": partition_fn} if partition_fn else {}))
-
-    def inner(gm, example_inputs):
-        if graphs is not None:
-            graphs.append(gm)
-        return aot(gm, example_inputs)
-
-    return inner
-
-
-class MLP(nn.Module):
-    def __init__(self, d=16, hidden=32, out=4):
-        super().__init__()
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, out)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-class NormHead(nn.Module):
-    """Linear -> GELU -> LayerNorm -> Linear: torch.autocast sends the LayerNorm to FP32 too."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-
-class Attention(nn.Module):
-    """Pre-LN transformer block; explicit softmax attention or SDPA."""
-
-    def __init__(self, d=32, heads=4, sdpa=False):
-        super().__init__()
-        self.heads, self.sdpa = heads, sdpa
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        if self.sdpa:
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            s = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-            a = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=64, d=32, layers=2, sdpa=False, tied=False):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Attention(d, sdpa=sdpa) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.embed.weight
-
-    def forward(self, ids, labels=None):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln(x))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-class ConvNet(nn.Module):
-    def __init__(self, classes=4):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        )
-        self.head = nn.Linear(16, classes)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return F.cosine_similarity(a.double(), b.double(), dim=0).item()
-
-
-def cli_here(capsys, *args) -> tuple[int, str, str]:
-    """A CLI command in this process: (exit code, stdout, stderr). For a test's further
-    commands once a subprocess has shown the entry point (start-up and imports are most of
-    a small command's time)."""
-    from amp_compiler.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err

@@ -19,7 +19,7 @@ import torch
 from amp_compiler import AmpBackend
 from amp_compiler.policy import LOW_DTYPES
 
-from conftest import OpRecorder, cosine, recording_backend
+from helpers import OpRecorder, cosine, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,

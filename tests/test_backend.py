@@ -17,7 +17,7 @@ import amp_compiler.backend
 import amp_compiler.device
 from amp_compiler import AmpBackend, AmpOptionsError
 
-from conftest import MLP, Attention, ConvNet, NormHead, OpRecorder, TinyLM, cosine, grads, recording_backend
+from helpers import MLP, Attention, ConvNet, NormHead, OpRecorder, TinyLM, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,

@@ -16,7 +16,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 import bench  # noqa: E402
 
-from conftest import cosine  # noqa: E402
+from helpers import cosine  # noqa: E402
 
 
 def saved_bytes(fwd, model, x, autocast=False) -> int:

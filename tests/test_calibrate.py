@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from amp_compiler import AmpBackend, AmpOptionsError, calibrate
 
-from conftest import MLP, OpRecorder, cli_here, recording_backend
+from helpers import MLP, OpRecorder, cli_here, recording_backend
 
 
 class Diff(nn.Module):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from amp_compiler.device import resolve_dtype
-from conftest import cli_here
+from helpers import cli_here
 
 HERE = os.path.dirname(__file__)
 MODELS = os.path.join(HERE, "fixtures", "models.py")

@@ -144,7 +144,7 @@ def _fsdp_worker(rank, port, results):
         import amp_compiler
         from torch.distributed.fsdp import fully_shard
 
-        from conftest import OpRecorder, recording_backend
+        from helpers import OpRecorder, recording_backend
 
         model = _fsdp_model()
         for layer in (model[0], model[2]):

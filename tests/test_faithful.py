@@ -16,7 +16,7 @@ from amp_compiler import AmpBackend
 from amp_compiler.passes import AmpVerifyError
 from amp_compiler.passes.faithful import check_gradient_flow
 
-from conftest import OpRecorder, cosine, grads, recording_backend
+from helpers import OpRecorder, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 MATMULS = (aten.mm, aten.addmm, aten.bmm)

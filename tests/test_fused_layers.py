@@ -10,7 +10,7 @@ import torch.nn as nn
 from amp_compiler import AmpBackend
 from amp_compiler.fused_layers import native_multi_head_attention, transformer_encoder_layer_fwd
 
-from conftest import OpRecorder, recording_backend
+from helpers import OpRecorder, recording_backend
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from amp_compiler import AmpBackend, LossScaler, make_train_step
 from amp_compiler.device import native_dtypes, resolve_dtype
 
-from conftest import MLP, OpRecorder, recording_backend
+from helpers import MLP, OpRecorder, recording_backend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

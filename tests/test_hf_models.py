@@ -13,7 +13,7 @@ import torch
 
 from amp_compiler import AmpBackend
 
-from conftest import OpRecorder, cosine, grads, recording_backend
+from helpers import OpRecorder, cosine, grads, recording_backend
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten

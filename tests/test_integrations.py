@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 import amp_compiler.device  # noqa: E402
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
 
-from conftest import NormHead, OpRecorder, cosine, grads, recording_backend  # noqa: E402
+from helpers import NormHead, OpRecorder, cosine, grads, recording_backend  # noqa: E402
 
 aten = torch.ops.aten
 

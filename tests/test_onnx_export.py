@@ -10,7 +10,7 @@ import torch
 from amp_compiler import ExportError, export_onnx
 from amp_compiler.onnx_export import emulate_low
 
-from conftest import ConvNet, TinyLM
+from helpers import ConvNet, TinyLM
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -9,7 +9,7 @@ import torch
 import amp_compiler
 from amp_compiler.plan import SCHEMA
 
-from conftest import ConvNet, TinyLM
+from helpers import ConvNet, TinyLM
 
 ids = torch.randint(0, 64, (2, 8))
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import amp_compiler
 from amp_compiler import (LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step)
-from conftest import OpRecorder, cosine, recording_backend
+from helpers import OpRecorder, cosine, recording_backend
 
 INNER = {"inner": "aot_eager"}
 aten = torch.ops.aten
