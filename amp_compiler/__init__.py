@@ -18,6 +18,7 @@ from .plan import GraphPlan, NodePlan, PrecisionPlan
 from .policy import AmpPolicyError, Policy, Precision
 from .scaler import LossScaler
 from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
+from .version import __version__ as __version__
 
 __all__ = [
     "AlertEvent", "AmpBackend", "AmpConfig", "AmpConfigError", "Calibration", "calibrate", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
@@ -25,4 +26,3 @@ __all__ = [
     "NodePlan", "NonFiniteMonitor", "Policy", "PrecisionMismatchError", "Precision", "PrecisionPlan", "StepResult",
     "TrainStep", "amp", "explain", "make_train_step",
 ]
-__version__ = "0.1.0"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .atomic import write_text
 from .backend import AmpBackend
-from .doctor import FP16_MAX, NodeError, side_by_side
+from .compare import FP16_MAX, NodeError, pin_of, side_by_side
 from .meta import info
 from .plan import PrecisionPlan
 from .policy_file import FORMAT, VERSION, fingerprint, with_pins
@@ -94,7 +93,7 @@ class Calibration:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        from . import __version__
+        from .version import __version__
 
         return {"format": FORMAT, "version": VERSION, "dtype": self.dtype, "budget": self.budget,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -192,7 +191,7 @@ def _through_casts(node: torch.fx.Node) -> torch.fx.Node:
 def _culprit(m: Measure, tried: set[str], dtype: str) -> NodeError | None:
     """The first Inf/NaN node, else the node adding the most error, among unpinned ones."""
     errors = {f"{n.graph}:{n.name}": n for n in m.nodes}
-    open_ = [n for n in m.nodes if n.precision != "FP32" and _pin_of(n)[1] not in tried]
+    open_ = [n for n in m.nodes if n.precision != "FP32" and pin_of(n)[1] not in tried]
     bad = [n for n in open_ if n.nonfinite]
     if bad:
         return bad[0]
@@ -207,12 +206,6 @@ def _culprit(m: Measure, tried: set[str], dtype: str) -> NodeError | None:
 
     ranked = sorted(open_, key=added, reverse=True)
     return ranked[0] if ranked and added(ranked[0]) > 0 else None
-
-
-def _pin_of(n: NodeError) -> tuple[str, str]:
-    if n.module:
-        return "fp32_modules", "^" + re.escape(n.module) + "$"
-    return "fp32_ops", n.op.rsplit(".", 1)[0] if n.op.count(".") >= 2 else n.op
 
 
 def _flops(node: torch.fx.Node) -> float:
@@ -264,7 +257,7 @@ def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "b
             culprit = _culprit(current, tried, dtype)
             if culprit is None:
                 break
-            option, pattern = _pin_of(culprit)
+            option, pattern = pin_of(culprit)
             tried.add(pattern)
             after = measure(pins + [Pin(option, pattern, "", 0, 0)])
             if after.error >= current.error and not (current.nonfinite and not after.nonfinite):

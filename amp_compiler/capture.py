@@ -21,7 +21,10 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
-    disable_proxy_modes_tracing, get_proxy_mode, make_fx, track_tensor_tree,
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    make_fx,
+    track_tensor_tree,
 )
 from torch.utils import _pytree as pytree
 

@@ -123,8 +123,8 @@ def cmd_inspect(args) -> int:
     plan = backend.plan()
     if backend.compiled == 0 and args.format != "table":  # the table says it itself
         sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
-    used = _touched(model, margs, mkwargs) if backend.with_parameters else None
-    partly = backend.parameters_outside_warning(model, used) if used is not None else None
+    used = _touched(model, margs, mkwargs) if backend.coverage.with_parameters else None
+    partly = backend.coverage.parameters_outside_warning(model, used) if used is not None else None
     if partly:
         sys.stderr.write(f"amp-compiler: warning: {partly.removeprefix('amp: ')}\n")
     if args.format == "json":
@@ -166,7 +166,7 @@ def _tree_text(tree, path: str | None) -> str:
 
 
 def _inspect_onnx(args) -> int:
-    from .ort_coverage import inspect_onnx
+    from .onnx_export.coverage import inspect_onnx
 
     if not os.path.isfile(args.target):
         raise CliError(f"no such file: {args.target!r}")

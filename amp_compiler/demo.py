@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()

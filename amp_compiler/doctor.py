@@ -13,48 +13,12 @@ them to show whether they fix it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .backend import AmpBackend
-from .capture import to_aten
-from .explain import trace
-from .meta import info
-from .options import AmpOptions
-
-FP16_MAX = 65504.0
-
-
-@dataclass
-class NodeError:
-    graph: int
-    name: str
-    op: str
-    module: str
-    precision: str
-    rel_error: float
-    max_abs: float
-    nonfinite: bool
-
-
-@dataclass
-class DoctorRun:
-    dtype: str
-    nodes: list[NodeError] = field(default_factory=list)
-
-    def worst(self, k: int = 5) -> list[NodeError]:
-        finite = [n for n in self.nodes if not n.nonfinite]
-        return sorted(finite, key=lambda n: -n.rel_error)[:k]
-
-    @property
-    def first_nonfinite(self) -> NodeError | None:
-        return next((n for n in self.nodes if n.nonfinite), None)
-
-    @property
-    def max_error(self) -> float:
-        return max((n.rel_error for n in self.nodes), default=0.0)
+from .compare import FP16_MAX, DoctorRun, NodeError, run_side_by_side
 
 
 @dataclass
@@ -63,73 +27,6 @@ class Diagnosis:
     first_out_of_fp16_range: NodeError | None
     pins: dict[str, list[str]]
     pinned_runs: dict[str, DoctorRun]
-
-
-class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm, keep):
-        super().__init__(gm)
-        self.keep, self.values = keep, {}
-
-    def run_node(self, n):
-        out = super().run_node(n)
-        if n.op == "call_function" and isinstance(out, torch.Tensor) and out.is_floating_point() \
-                and self.keep(n):
-            self.values[n.name] = out.detach()
-        return out
-
-
-def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
-    rows = []
-    for node in amp_gm.graph.nodes:
-        i = info(node)
-        if node.name not in amp_vals or node.name not in ref_vals or i is None or i.inserted:
-            continue
-        a, r = amp_vals[node.name].double(), ref_vals[node.name].double()
-        if a.shape != r.shape:
-            continue
-        nonfinite = bool(not torch.isfinite(a).all() and torch.isfinite(r).all())
-        denom = r.norm().item()
-        err = float("inf") if nonfinite else ((a - r).norm().item() / denom if denom > 0 else 0.0)
-        rows.append(NodeError(index, node.name, i.op, i.module, i.precision.value, err,
-                              r.abs().max().item() if r.numel() else 0.0, nonfinite))
-    return rows
-
-
-def side_by_side(model, args, kwargs, dtype: str, options: AmpOptions | dict | None, *,
-                 on_graph=None, on_run=None) -> tuple[DoctorRun, AmpBackend]:
-    """Run every graph FP32 and through the plan on the same inputs, node by node.
-
-    ``on_graph(index, amp_gm)`` sees each rewritten graph once; ``on_run(index, amp_gm,
-    fp32_values, amp_values)`` each execution (values by node name).
-    """
-    result = DoctorRun(dtype)
-    amp = AmpBackend(options, dtype=dtype, inner="eager")
-
-    def backend(gm, example_inputs):
-        ref_gm = to_aten(gm, example_inputs)[0]
-        amp_gm = amp.rewrite(gm, example_inputs)
-        index = amp.compiled - 1
-        if on_graph is not None:
-            on_graph(index, amp_gm)
-
-        def run(*real):
-            ref = _Recorder(ref_gm, lambda n: True)
-            ref.run(*real)
-            rec = _Recorder(amp_gm, lambda n: not info(n).inserted)
-            out = rec.run(*real)
-            result.nodes.extend(_compare(amp_gm, ref.values, rec.values, index))
-            if on_run is not None:
-                on_run(index, amp_gm, ref.values, rec.values)
-            return out
-
-        return run
-
-    trace(model, *args, backend=backend, **kwargs)
-    return result, amp
-
-
-def _run(model, args, kwargs, dtype: str, options: AmpOptions | dict | None) -> DoctorRun:
-    return side_by_side(model, args, kwargs, dtype, options)[0]
 
 
 def _pin_for(n: NodeError) -> str:
@@ -143,7 +40,7 @@ def diagnose(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     """Run every dtype; pin the culprits' modules and re-run until no Inf/NaN is left
     (at most ``max_rounds`` rounds of pins)."""
     kwargs = kwargs or {}
-    runs = {d: _run(model, args, kwargs, d, options) for d in dtypes}
+    runs = {d: run_side_by_side(model, args, kwargs, d, options) for d in dtypes}
     first = next(iter(runs.values()))
     out_of_range = next((n for n in first.nodes if n.max_abs > FP16_MAX), None)
     culprits = [r.first_nonfinite for r in runs.values() if r.first_nonfinite]
@@ -160,7 +57,7 @@ def diagnose(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         pins += new
         merged = dict(options or {})
         merged["fp32_modules"] = tuple(merged.get("fp32_modules", ())) + tuple(pins)
-        pinned = {d: _run(model, args, kwargs, d, merged) for d in dtypes}
+        pinned = {d: run_side_by_side(model, args, kwargs, d, merged) for d in dtypes}
         culprits = [r.first_nonfinite for r in pinned.values() if r.first_nonfinite]
         if not culprits:
             break

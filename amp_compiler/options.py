@@ -41,8 +41,9 @@ class AmpOptions:
     inner: code generator that receives the rewritten graph: "inductor",
         "aot_eager", "eager", or a callable ``(gm, example_inputs) -> callable``.
     low_ops / fp32_ops / promote_ops / passthrough_ops: ATen ops forced into that
-        table ("aten.mm" or torch.ops.aten.mm); remove_ops: ops taken out of
-        every table (they become unknown).
+        table ("aten.mm" or torch.ops.aten.mm).
+    remove_ops: ATen ops taken out of every table (they become unknown: FP32, or an
+        error under ``strict``).
     fp32_modules: regexes; a node whose module path (e.g. "lm_head",
         "model.layers.0.mlp") matches one runs in FP32.
     strict: unknown ops raise instead of running in FP32.
@@ -69,8 +70,9 @@ class AmpOptions:
         sequence). Either way a trainable float mask on CPU is written out:
         the fused kernel cannot give its gradient.
     dump_dir: write the graph after every pass to this directory.
-    policy_file: a calibrated policy (``amp_compiler.policy_file``): its pins and
-        overrides join these options; options given explicitly beside it win.
+    policy_file: a calibrated policy file (``amp_compiler.calibrate``, see
+        docs/calibration.md): its pins and overrides join these options; options
+        given explicitly beside it win, per name.
     """
 
     dtype: str = "auto"

@@ -99,14 +99,14 @@ class TrainStep:
         loss = self.loss(inputs, *targets)
         first = self.plan_fingerprint is None  # this process's first step (also after a resume)
         if first:
-            why = self.backend.model_not_compiled()
+            why = self.backend.coverage.model_not_compiled()
             if why is not None and any(p.requires_grad for p in self._params):
                 raise RuntimeError(why)
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()
         if first:  # the first backward shows which parameters the model used
-            self.backend.warn_parameters_outside(self.model)
+            self.backend.coverage.warn_parameters_outside(self.model)
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step
@@ -184,21 +184,20 @@ class TrainStep:
         the first node whose output is Inf/NaN and the pin that would keep it FP32."""
         import dataclasses
 
-        from .calibrate import _pin_of
-        from .doctor import _run
+        from .compare import pin_of, run_side_by_side
 
         if self._offending is None:
             return event
         batch = self._offending
         args, kwargs = _arguments(batch)
         # the training step's own options (every override and pin), without its graph dumps
-        run = _run(self.model, args, kwargs, self.dtype, self.backend.options.replace(dump_dir=None))
+        run = run_side_by_side(self.model, args, kwargs, self.dtype, self.backend.options.replace(dump_dir=None))
         bad = run.first_nonfinite
         if bad is None:
             note = ("; the forward pass is finite on the offending batch: the overflow is in "
                     "backward (loss scale) or in the data")
             return dataclasses.replace(event, message=event.message + note)
-        option, pattern = _pin_of(bad)
+        option, pattern = pin_of(bad)
         where = f"node '{bad.name}' ({bad.op}){' in module ' + repr(bad.module) if bad.module else ''}"
         note = f"; first Inf/NaN at {where}: suggested pin {option}=[{pattern!r}]"
         return dataclasses.replace(event, message=event.message + note, first_nonfinite=where,

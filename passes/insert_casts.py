@@ -19,7 +19,14 @@ from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
 from .graph_util import (
-    AMP_FLOATS, CAST_OP, dtype_arg, mutated_inputs, refresh_vals, set_arg, tensor_inputs, volatile_values,
+    AMP_FLOATS,
+    CAST_OP,
+    dtype_arg,
+    mutated_inputs,
+    refresh_vals,
+    set_arg,
+    tensor_inputs,
+    volatile_values,
     wanted_dtype,
 )
 from .infra import PassContext, PassResult
@@ -107,7 +114,8 @@ def _restore_outputs(output: torch.fx.Node, cast_for) -> None:
         if src_info is None or not isinstance(src.meta.get("val"), torch.Tensor):
             continue
         if src_info.orig in AMP_FLOATS and src_info.planned != src_info.orig:
-            why = f"{src.name} {dtype_name(src_info.planned)} -> {dtype_name(src_info.orig)}: outputs keep the FP32 model's dtype"
+            why = (f"{src.name} {dtype_name(src_info.planned)} -> {dtype_name(src_info.orig)}: "
+                   "outputs keep the FP32 model's dtype")
             cast = cast_for(src, src_info.orig, output, src_info.region, why)
             output.replace_input_with(src, cast)
             out_info.casts.append(cast.name)

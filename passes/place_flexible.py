@@ -16,8 +16,8 @@ The result is applied only when it casts strictly fewer elements than the greedy
 
 Flexible: a PASSTHROUGH op with exactly one floating input, FP32 in the FP32
 program, writing nothing and never written in place (nor any alias of it), with no
-constant the low dtype cannot hold (a mask fill of FP32's minimum stays where it is), whose consumers either have a compute dtype (they get a cast)
-or are flexible too.
+constant the low dtype cannot hold (a mask fill of FP32's minimum stays where it is),
+whose consumers either have a compute dtype (they get a cast) or are flexible too.
 """
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ from amp_compiler.meta import dtype_name, info
 from amp_compiler.policy import Precision
 
 from .graph_util import (
-    AMP_FLOATS, USER_CAST_OPS, mutated_inputs, tensor_inputs, volatile_values, wanted_dtype,
+    AMP_FLOATS,
+    USER_CAST_OPS,
+    mutated_inputs,
+    tensor_inputs,
+    volatile_values,
+    wanted_dtype,
 )
 from .infra import PassContext, PassResult
-from .tag import _overflowing_constants
+from .tag import overflowing_constants
 
 _SRC, _SINK = "FP32", "LOW"
 
@@ -53,7 +58,7 @@ def _candidate(node: torch.fx.Node, low: torch.dtype) -> bool:
         return False
     if i.orig != torch.float32 or _numel(node) is None or mutated_inputs(node):
         return False
-    if _overflowing_constants(node, low):  # e.g. a mask fill of FP32's minimum: FP32 only
+    if overflowing_constants(node, low):  # e.g. a mask fill of FP32's minimum: FP32 only
         return False
     floats = [n for n in tensor_inputs(node) if n.meta["val"].is_floating_point()]
     return len(floats) == 1 and info(floats[0]) is not None and info(floats[0]).orig == torch.float32

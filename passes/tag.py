@@ -24,8 +24,15 @@ from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import AmpPolicyError, Precision, why
 
 from .graph_util import (
-    AMP_FLOATS, USER_CAST_OPS, explicit_dtype, mutated_inputs, node_dtype,
-    region_name, schema_args, tensor_inputs, widest,
+    AMP_FLOATS,
+    USER_CAST_OPS,
+    explicit_dtype,
+    mutated_inputs,
+    node_dtype,
+    region_name,
+    schema_args,
+    tensor_inputs,
+    widest,
 )
 from .infra import PassContext, PassResult
 
@@ -118,7 +125,7 @@ class _Tagger:
         planned = self.plan(node, precision, compute, base["orig"])
         constants = {}
         low = compute or planned
-        big = _overflowing_constants(node, low) if base["orig"] == torch.float32 else {}
+        big = overflowing_constants(node, low) if base["orig"] == torch.float32 else {}
         if big:
             if all(abs(v) >= _FP32_MAX for v in big.values()):
                 # finfo(float32).min as a mask fill means "the lowest value there is".
@@ -254,7 +261,7 @@ _FILLS = {torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default,
           torch.ops.aten.full_like.default, torch.ops.aten.new_full.default}
 
 
-def _overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
+def overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
     """Finite constants the node computes with that ``dtype`` (16-bit) cannot hold: beyond
     its range, or nonzero but rounding to zero (an ``eps`` of 1e-12 in FP16, whose
     ``log(x.clamp(min=eps))`` would turn into ``log(0)``).

@@ -19,7 +19,13 @@ import torch
 from amp_compiler.meta import dtype_name, info
 
 from .graph_util import (
-    AMP_FLOATS, is_inserted_cast, mutated_inputs, node_dtype, tensor_inputs, volatile_values, wanted_dtype,
+    AMP_FLOATS,
+    is_inserted_cast,
+    mutated_inputs,
+    node_dtype,
+    tensor_inputs,
+    volatile_values,
+    wanted_dtype,
 )
 from .infra import PassContext, PassResult
 

@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from helpers import OpRecorder, cosine, recording_backend
 
 from amp_compiler import AmpBackend
 from amp_compiler.policy import LOW_DTYPES
-
-from helpers import OpRecorder, cosine, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,

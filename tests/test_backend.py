@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import MLP, Attention, ConvNet, NormHead, OpRecorder, TinyLM, cosine, grads, recording_backend
 
 import amp_compiler
+import amp_compiler.autocast_region
 import amp_compiler.backend
 import amp_compiler.device
 from amp_compiler import AmpBackend, AmpOptionsError
-
-from helpers import MLP, Attention, ConvNet, NormHead, OpRecorder, TinyLM, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
@@ -403,7 +403,7 @@ def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkey
         budgets.append(budget)
         return lambda gm, ex: gm.forward
 
-    monkeypatch.setattr(amp_compiler.backend, "_inner_compiler", inner)
+    monkeypatch.setattr(amp_compiler.backend, "inner_compiler", inner)
     for native, options in ((frozenset(), {}), (frozenset({"bf16"}), {}),
                             (frozenset(), {"memory_budget": 0.5})):
         monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d, n=native: (n, "fake"))
@@ -422,7 +422,7 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
     x = torch.randn(2, 12, 16)
-    import amp_compiler.passes.recompute_masks as pass_module
+    import amp_compiler.inductor_passes.recompute_masks as pass_module
 
     tagged, run_pass = [], pass_module.recompute_masks
 
@@ -474,7 +474,7 @@ def test_called_under_the_users_autocast_is_a_region_of_the_graph(around, asked,
     under the ambient autocast, the pipeline saw autocast's dtypes where the plan had its own and
     refused the graph ('layer_norm computes fp32 but the plan says bf16'). Now the autocast is a
     region of the graph, as one inside the model: its casts stay, amp adds its own."""
-    monkeypatch.setattr(amp_compiler.backend, "_warned_autocast", set())
+    monkeypatch.setattr(amp_compiler.autocast_region, "_warned_autocast", set())
     torch.manual_seed(0)
     model, x, y = NormHead(), torch.randn(8, 32), torch.randint(0, 10, (8,))
     ref = copy.deepcopy(model)
@@ -867,7 +867,7 @@ def test_parameters_held_on_the_graph_module_are_planned_and_trained(gradient_fl
     assert all(p.grad is not None for p in model.parameters())
     assert cosine(grads(eager), grads(model)) > 0.9999
     # counted as the model's: the training step's "no graph took the parameters" stays quiet
-    assert backend.with_parameters == 1 and backend.parameters_outside(model) == []
+    assert backend.coverage.with_parameters == 1 and backend.coverage.parameters_outside(model) == []
     assert recorder.dtypes_of(torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm)
     assert all(dt == torch.bfloat16 for dts in recorder.dtypes_of(torch.ops.aten.mm) for dt in dts)
 

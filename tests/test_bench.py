@@ -14,9 +14,9 @@ from amp_compiler import AmpBackend
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
-import bench  # noqa: E402
-
 from helpers import cosine  # noqa: E402
+
+import bench  # noqa: E402
 
 
 def saved_bytes(fwd, model, x, autocast=False) -> int:
@@ -62,7 +62,7 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     results = json.loads(out.read_text())
     runs = results["workloads"]["lm-explicit"]["variants"]
     assert set(runs) == {"fp32-eager", "amp-step"}
-    for name, r in runs.items():
+    for r in runs.values():
         assert r["step_ms"] > 0 and len(r["step_ms_samples"]) == 2 and r["first_call_s"] > 0
         assert r["saved_bytes"] > 0 and r["grad_cos"] > 0.99
     assert runs["amp-step"]["casts"] > 0 and runs["amp-step"]["plan"]["nodes"]["LOW"] > 0

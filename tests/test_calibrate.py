@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from helpers import MLP, OpRecorder, cli_here, recording_backend
 
 from amp_compiler import AmpBackend, AmpOptionsError, calibrate
-
-from helpers import MLP, OpRecorder, cli_here, recording_backend
 
 
 class Diff(nn.Module):
@@ -147,9 +146,9 @@ def run_cli(*args):
 def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path, capsys):
     fixture = str(tmp_path / "cancel.py")
     with open(fixture, "w") as f:
-        f.write("import sys\nsys.path.insert(0, %r)\nfrom test_calibrate import Cancelling, batches\n"
-                "import torch\n\ndef make():\n    return Cancelling(), (torch.randn(8, 8),)\n"
-                % str(__file__.rsplit("/", 1)[0]))
+        here = str(__file__.rsplit("/", 1)[0])
+        f.write(f"import sys\nsys.path.insert(0, {here!r})\nfrom test_calibrate import Cancelling, batches\n"
+                "import torch\n\ndef make():\n    return Cancelling(), (torch.randn(8, 8),)\n")
     out = tmp_path / "amp-policy.json"
     r = run_cli("calibrate", f"{fixture}:make", "-o", str(out), "--batches", "2")
     assert r.returncode == 0, r.stderr

@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
+from helpers import cli_here
 
 from amp_compiler.device import resolve_dtype
-from helpers import cli_here
 
 HERE = os.path.dirname(__file__)
 MODELS = os.path.join(HERE, "fixtures", "models.py")

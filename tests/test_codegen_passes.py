@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from amp_compiler import AmpBackend
-from amp_compiler.passes import fold_broadcast_bmm as fold_mod
-from amp_compiler.passes import recompute_masks as masks_mod
-
+from amp_compiler.inductor_passes import fold_broadcast_bmm as fold_mod
+from amp_compiler.inductor_passes import recompute_masks as masks_mod
 
 aten = torch.ops.aten
 
@@ -278,8 +277,8 @@ def test_weight_copies_are_saved_by_default_and_recast_under_an_explicit_budget(
 
 
 def test_memory_budget_is_never_applied_to_a_graph_with_random_ops(caplog):
-    from amp_compiler.backend import memory_budget_for
     from amp_compiler.capture import to_aten
+    from amp_compiler.inductor import memory_budget_for
 
     blocks = to_aten(torch.fx.symbolic_trace(GeluBlocks()), [torch.randn(2, 3, 32)])[0]
     dropped = to_aten(torch.fx.symbolic_trace(Dropped()), [torch.randn(4, 16)])[0]
@@ -331,7 +330,7 @@ class ResidualStack(nn.Module):
 def distinct_kernels(layers: int, realize_reads: int, monkeypatch) -> int:
     from torch._inductor.utils import run_and_get_code
 
-    import amp_compiler.backend as backend_mod
+    import amp_compiler.inductor as backend_mod
 
     monkeypatch.setattr(backend_mod, "REALIZE_READS", realize_reads)
     torch._dynamo.reset()
@@ -345,7 +344,7 @@ def test_kernels_do_not_grow_with_depth(monkeypatch, no_caches):
     """Every layer runs the same C++ kernels (compiled once), however deep the stack: the
     residual stream is stored once per layer, not re-added from its 16-bit terms inside
     each LayerNorm. Control: at Inductor's own threshold the count grows with depth."""
-    from amp_compiler.backend import REALIZE_READS
+    from amp_compiler.inductor import REALIZE_READS
 
     assert distinct_kernels(2, REALIZE_READS, monkeypatch) == distinct_kernels(5, REALIZE_READS, monkeypatch)
     assert distinct_kernels(5, 4, monkeypatch) > distinct_kernels(2, 4, monkeypatch)

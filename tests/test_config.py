@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import MLP, OpRecorder, recording_backend
 
 from amp_compiler import AmpBackend, make_train_step
 from amp_compiler.config import AmpConfig, AmpConfigError
-
-from helpers import MLP, OpRecorder, recording_backend
 
 FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                  "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 4}}

@@ -88,8 +88,9 @@ def _ddp_worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        import amp_compiler
         from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import amp_compiler
 
         out = {}
         for comm in ("fp32", "bf16"):
@@ -141,10 +142,10 @@ def _fsdp_worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        import amp_compiler
+        from helpers import OpRecorder, recording_backend
         from torch.distributed.fsdp import fully_shard
 
-        from helpers import OpRecorder, recording_backend
+        import amp_compiler
 
         model = _fsdp_model()
         for layer in (model[0], model[2]):
@@ -204,9 +205,10 @@ def _fsdp_mp_worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        import amp_compiler
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+        import amp_compiler
 
         gathered = [0]
         original = collectives.DefaultAllGather.__call__

@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import OpRecorder, cosine, grads, recording_backend
 from torch.utils.checkpoint import checkpoint
 
 from amp_compiler import AmpBackend
+from amp_compiler.checks.gradient_flow import check_gradient_flow
 from amp_compiler.passes import AmpVerifyError
-from amp_compiler.passes.faithful import check_gradient_flow
-
-from helpers import OpRecorder, cosine, grads, recording_backend
 
 aten = torch.ops.aten
 MATMULS = (aten.mm, aten.addmm, aten.bmm)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import OpRecorder, recording_backend
 
 from amp_compiler import AmpBackend
 from amp_compiler.fused_layers import native_multi_head_attention, transformer_encoder_layer_fwd
-
-from helpers import OpRecorder, recording_backend
 
 aten = torch.ops.aten
 

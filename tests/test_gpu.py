@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import MLP, OpRecorder, recording_backend
 
 from amp_compiler import AmpBackend, LossScaler, make_train_step
 from amp_compiler.device import native_dtypes, resolve_dtype
-
-from helpers import MLP, OpRecorder, recording_backend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

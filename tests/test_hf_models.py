@@ -10,10 +10,9 @@ import copy
 
 import pytest
 import torch
+from helpers import OpRecorder, cosine, grads, recording_backend
 
 from amp_compiler import AmpBackend
-
-from helpers import OpRecorder, cosine, grads, recording_backend
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten

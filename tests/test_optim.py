@@ -3,7 +3,6 @@ optimizer's own step(), skips decided on the device, one host synchronisation.""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn

@@ -9,9 +9,9 @@ without a row fails ``test_every_option_has_a_row``.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +87,8 @@ ROWS = {
     # a training step compiling the loss returns the loss, FP32 whatever the option says
     "low_precision_outputs": Row(lambda t, s: True, lambda r: r.out.dtype == torch.bfloat16,
                                  step={"compile_loss": False}),
-    "memory_budget": Row(lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5}, context={"inner": "inductor"}),
+    "memory_budget": Row(lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5},
+                         context={"inner": "inductor"}),
     "attention": Row(lambda t, s: "fused", lambda r: r.ran(SDPA_CPU, torch.bfloat16)),
     "dump_dir": Row(lambda t, s: str(t / "dump"), lambda r: any(r.extra["tmp"].glob("dump/**/*"))),
     "policy_file": Row(lambda t, s: _policy_file(t),

@@ -17,7 +17,7 @@ aten = torch.ops.aten
 def rewrite(fn, *inputs, **options):
     """Run ``fn`` through the amp pipeline; returns (graph module, backend)."""
     backend = AmpBackend(inner="eager", **options)
-    gm = backend.rewrite(torch.fx.symbolic_trace(fn), list(inputs))
+    gm = backend.rewrite(torch.fx.symbolic_trace(fn), list(inputs)).graph
     return gm, backend
 
 

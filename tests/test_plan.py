@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import ConvNet, TinyLM
 
 import amp_compiler
 from amp_compiler.plan import SCHEMA
-
-from helpers import ConvNet, TinyLM
 
 ids = torch.randint(0, 64, (2, 8))
 

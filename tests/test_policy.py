@@ -7,8 +7,15 @@ import torch
 
 from amp_compiler import AmpPolicyError, Policy, Precision
 from amp_compiler.policy import (
-    BANNED_OPS, FP16_EXTRA_FP32_OPS, FP32_OPS, LOW_OPS, PASSTHROUGH_OPS, PROMOTE_OPS, TABLES,
-    resolve_op, why,
+    BANNED_OPS,
+    FP16_EXTRA_FP32_OPS,
+    FP32_OPS,
+    LOW_OPS,
+    PASSTHROUGH_OPS,
+    PROMOTE_OPS,
+    TABLES,
+    resolve_op,
+    why,
 )
 
 aten = torch.ops.aten

@@ -66,7 +66,7 @@ def test_property_every_node_sees_its_dtype(program, dtype):
     """LOW nodes see low inputs, FP32 nodes FP32, PROMOTE one dtype; no cast feeds a cast."""
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     backend = AmpBackend(inner="eager", dtype=dtype)
-    gm = backend.rewrite(torch.fx.symbolic_trace(build(program)), inputs())
+    gm = backend.rewrite(torch.fx.symbolic_trace(build(program)), inputs()).graph
     for node in gm.graph.nodes:
         i = info(node)
         assert i is not None and i.reason
@@ -94,7 +94,7 @@ def test_property_numbers_track_fp32(program):
     fn = build(program)
     args = inputs()
     expected = fn(*args)
-    got = AmpBackend(inner="eager").rewrite(torch.fx.symbolic_trace(fn), args)(*args)
+    got = AmpBackend(inner="eager").rewrite(torch.fx.symbolic_trace(fn), args).graph(*args)
     for e, g in zip(expected, got):
         assert g.dtype == e.dtype
         if torch.isfinite(e).all() and e.abs().max() < 1e4:
@@ -107,7 +107,7 @@ def test_property_numbers_track_fp32(program):
 def test_property_pipeline_idempotent(program):
     """A second run over a rewritten graph changes nothing."""
     backend = AmpBackend(inner="eager")
-    gm = backend.rewrite(torch.fx.symbolic_trace(build(program)), inputs())
+    gm = backend.rewrite(torch.fx.symbolic_trace(build(program)), inputs()).graph
     code = gm.code
     opts = backend.records[0].options
     ctx = PassContext(policy=opts.policy(torch.bfloat16), options=opts)

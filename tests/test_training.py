@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import OpRecorder, cosine, recording_backend
 
 import amp_compiler
-from amp_compiler import (LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step)
-from helpers import OpRecorder, cosine, recording_backend
+from amp_compiler import LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step
 
 INNER = {"inner": "aot_eager"}
 aten = torch.ops.aten
@@ -517,7 +517,9 @@ def test_compiled_loss_keeps_keyword_inputs_graph_breaks_and_module_pins():
         torch._dynamo.graph_break()
         return lm_loss(logits, targets)
 
-    inputs = lambda ids: {"ids": ids, "shift": torch.zeros(16)}
+    def inputs(ids):
+        return {"ids": ids, "shift": torch.zeros(16)}
+
     joint, _, step, _ = _lm_steps(True, noisy_loss, inputs)
     plain, _, _, _ = _lm_steps(False, noisy_loss, inputs)
     assert joint == pytest.approx(plain, rel=1e-3)
@@ -701,7 +703,7 @@ def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
     # the router gets no gradient (argmax), the spare layer is never called: neither is named
     assert "inp." not in warned[0] and "head." not in warned[0] and "router." not in warned[0]
     assert "spare." not in warned[0]
-    assert set(step.backend.parameters_outside(model)) == {
+    assert set(step.backend.coverage.parameters_outside(model)) == {
         f"{m}.{k}" for m in ("router", "experts.0", "experts.1", "spare") for k in ("weight", "bias")}
 
 
@@ -713,4 +715,4 @@ def test_a_fully_compiled_model_gets_no_outside_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
         step(ids, ids)
     assert not [r for r in caplog.records if "taken by no compiled graph" in r.getMessage()]
-    assert step.backend.parameters_outside(model) == []
+    assert step.backend.coverage.parameters_outside(model) == []

@@ -423,7 +423,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
             with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                                                    delete=False):
                 kernels = inductor_metrics.generated_kernel_count
-                v.result["first_call_s"] = timed(lambda: first_step(v, x, y), device)
+                v.result["first_call_s"] = timed(lambda v=v: first_step(v, x, y), device)
                 # what the first call compiles (C++/Triton kernels Inductor generated): on few
                 # cores the compiler's time, and unlike seconds the same on every machine
                 v.result["kernels"] = (inductor_metrics.generated_kernel_count - kernels
@@ -447,10 +447,10 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
     infer = {v.name: [] for v in vs}
     for _ in range(reps):  # interleaved: every variant once per repetition
         for v in vs:
-            samples[v.name].append(timed(lambda: [v.step(x, y) for _ in range(steps)], device) / steps)
+            samples[v.name].append(timed(lambda v=v: [v.step(x, y) for _ in range(steps)], device) / steps)
         for v in vs:
             with torch.no_grad():
-                infer[v.name].append(timed(lambda: v.forward(x), device))
+                infer[v.name].append(timed(lambda v=v: v.forward(x), device))
     for v in vs:
         r = v.result
         r["step_ms"] = statistics.median(samples[v.name]) * 1e3

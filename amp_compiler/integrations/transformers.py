@@ -98,10 +98,10 @@ class AmpCallback(TrainerCallback):
                               lr_scheduler=None, **kwargs):
         if not self._compile_checked and self.backend is not None:
             self._compile_checked = True  # before the first update: nothing is lost
-            why = self.backend.model_not_compiled()
+            why = self.backend.coverage.model_not_compiled()
             if why is not None:
                 raise RuntimeError(why)
-            self.backend.warn_parameters_outside(model)
+            self.backend.coverage.warn_parameters_outside(model)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]

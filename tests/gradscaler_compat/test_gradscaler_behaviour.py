@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+
 from amp_compiler import LossScaler
 
 

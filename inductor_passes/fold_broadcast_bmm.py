@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph_util import LOW_FLOATS, tensor_val
+from amp_compiler.passes.graph_util import LOW_FLOATS, tensor_val
 
 aten = torch.ops.aten
 

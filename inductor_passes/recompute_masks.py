@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph_util import draws_random, tangent_dependent, tensor_val
+from amp_compiler.passes.graph_util import draws_random, tangent_dependent, tensor_val
 
 aten = torch.ops.aten
 _COMPARE = {aten.le, aten.lt, aten.ge, aten.gt, aten.eq, aten.ne}

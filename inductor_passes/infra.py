@@ -20,7 +20,7 @@ class InductorPass(CustomGraphPass):
         getattr(importlib.import_module(self.module), self.name)(graph)
 
     def uuid(self) -> bytes:
-        from . import graph_util  # the helpers every pass imports
+        from amp_compiler.passes import graph_util  # the helpers every pass imports
 
         digest = hashlib.sha256()
         for path in (importlib.import_module(self.module).__file__, graph_util.__file__):

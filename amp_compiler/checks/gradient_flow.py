@@ -20,8 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from amp_compiler.capture import held_tensors, lift_attributes
-
-from .verify import AmpVerifyError
+from amp_compiler.passes.verify import AmpVerifyError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, node_dtype, tangent_dependent
+from amp_compiler.passes.graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, node_dtype, tangent_dependent
 
 _ALIAS = {torch.ops.aten.alias.default}
 

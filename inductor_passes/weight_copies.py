@@ -17,8 +17,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import graph_util
-from .graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, tangent_dependent
+from amp_compiler.passes import graph_util
+from amp_compiler.passes.graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, tangent_dependent
 
 
 def keep_weight_copies(graph: torch.fx.Graph, static: list[torch.fx.Node]) -> int:

@@ -16,15 +16,40 @@ from dataclasses import dataclass, field
 ORT_VERSION = "1.32"
 
 # Probed on the CPU wheel: InferenceSession(...) with one BF16 node of each op.
-CPU_BF16_OPS = frozenset({
-    "Cast", "Identity", "Reshape", "Transpose", "Concat", "Gather", "Squeeze", "Unsqueeze",
-    "Slice", "Split", "Flatten", "Pad", "Shape", "LayerNormalization",
-})
+CPU_BF16_OPS = frozenset(
+    {
+        "Cast",
+        "Identity",
+        "Reshape",
+        "Transpose",
+        "Concat",
+        "Gather",
+        "Squeeze",
+        "Unsqueeze",
+        "Slice",
+        "Split",
+        "Flatten",
+        "Pad",
+        "Shape",
+        "LayerNormalization",
+    }
+)
 # Reported missing on the CUDA provider (REFERENCE.md); everything else is taken as present.
-CUDA_BF16_MISSING = frozenset({
-    "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum", "ReduceProd", "ReduceL2",
-    "LogSoftmax", "Reciprocal", "Pad", "Resize", "BatchNormalization",
-})
+CUDA_BF16_MISSING = frozenset(
+    {
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceSum",
+        "ReduceProd",
+        "ReduceL2",
+        "LogSoftmax",
+        "Reciprocal",
+        "Pad",
+        "Resize",
+        "BatchNormalization",
+    }
+)
 EPS = ("cpu", "cuda")
 FLOAT_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}  # ONNX elem types
 
@@ -46,22 +71,44 @@ class OnnxReport:
     ep: str
     histogram: Counter = field(default_factory=Counter)  # (op, dtype) -> count
     casts: Counter = field(default_factory=Counter)  # "fp32->bf16" -> count
-    unsupported: list[tuple[str, str, str]] = field(default_factory=list)  # (node, op, dtype)
+    unsupported: list[tuple[str, str, str]] = field(
+        default_factory=list
+    )  # (node, op, dtype)
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "ep": self.ep, "ort_table_version": ORT_VERSION,
-                "histogram": [{"op": op, "dtype": dt, "count": n}
-                              for (op, dt), n in sorted(self.histogram.items())],
-                "casts": dict(self.casts),
-                "unsupported": [{"node": n, "op": op, "dtype": dt} for n, op, dt in self.unsupported]}
+        return {
+            "path": self.path,
+            "ep": self.ep,
+            "ort_table_version": ORT_VERSION,
+            "histogram": [
+                {"op": op, "dtype": dt, "count": n}
+                for (op, dt), n in sorted(self.histogram.items())
+            ],
+            "casts": dict(self.casts),
+            "unsupported": [
+                {"node": n, "op": op, "dtype": dt} for n, op, dt in self.unsupported
+            ],
+        }
 
     def format(self) -> str:
-        lines = [f"{self.path}: {sum(self.histogram.values())} nodes; ORT {ORT_VERSION} "
-                 f"{self.ep.upper()} provider table", "", f"{'op':<28}{'dtype':<8}{'count':>6}"]
-        lines += [f"{op:<28}{dt:<8}{n:>6}" for (op, dt), n in sorted(self.histogram.items())]
-        lines += ["", "casts: " + (", ".join(f"{k} x{v}" for k, v in sorted(self.casts.items())) or "none")]
+        lines = [
+            f"{self.path}: {sum(self.histogram.values())} nodes; ORT {ORT_VERSION} "
+            f"{self.ep.upper()} provider table",
+            "",
+            f"{'op':<28}{'dtype':<8}{'count':>6}",
+        ]
+        lines += [
+            f"{op:<28}{dt:<8}{n:>6}" for (op, dt), n in sorted(self.histogram.items())
+        ]
+        lines += [
+            "",
+            "casts: "
+            + (", ".join(f"{k} x{v}" for k, v in sorted(self.casts.items())) or "none"),
+        ]
         if self.unsupported:
-            lines.append(f"{len(self.unsupported)} node(s) with no {self.ep.upper()} kernel for their dtype:")
+            lines.append(
+                f"{len(self.unsupported)} node(s) with no {self.ep.upper()} kernel for their dtype:"
+            )
             lines += [f"  {n} ({op}, {dt})" for n, op, dt in self.unsupported]
         else:
             lines.append(f"every node has a {self.ep.upper()} kernel for its dtype")
@@ -81,8 +128,10 @@ def value_types(model, best_effort: bool = False) -> dict[str, int]:
         if not best_effort:
             raise
     g = model.graph
-    types = {vi.name: vi.type.tensor_type.elem_type
-             for vi in list(g.input) + list(g.output) + list(g.value_info)}
+    types = {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in list(g.input) + list(g.output) + list(g.value_info)
+    }
     types.update({i.name: i.data_type for i in g.initializer})
     for node in g.node:
         if node.op_type == "Constant":
@@ -101,7 +150,11 @@ def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
     g = model.graph
     report = OnnxReport(path, ep)
     for node in g.node:
-        dts = [FLOAT_NAMES.get(types.get(x)) for x in list(node.input) + list(node.output) if x]
+        dts = [
+            FLOAT_NAMES.get(types.get(x))
+            for x in list(node.input) + list(node.output)
+            if x
+        ]
         floats = [d for d in dts if d]
         dtype = "bf16" if "bf16" in floats else (floats[0] if floats else "-")
         if node.op_type == "Cast":
@@ -110,7 +163,9 @@ def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
             report.casts[f"{src}->{FLOAT_NAMES.get(to, str(to))}"] += 1
         report.histogram[(node.op_type, dtype)] += 1
         if not has_kernel(node.op_type, dtype, ep):
-            report.unsupported.append((node.name or node.output[0], node.op_type, dtype))
+            report.unsupported.append(
+                (node.name or node.output[0], node.op_type, dtype)
+            )
     return report
 
 
@@ -124,8 +179,10 @@ def export_fp32_pins(target: str) -> dict:
     import torch
 
     aten = torch.ops.aten
-    pins = {op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export"
-            for op in (aten.split, aten.split_with_sizes)}
+    pins = {
+        op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export"
+        for op in (aten.split, aten.split_with_sizes)
+    }
     pins[aten.einsum] = "ONNX Einsum takes no bfloat16: FP32 in the export"
     if target == "cuda":
         pins.update(_cuda_pins(aten))
@@ -135,16 +192,38 @@ def export_fp32_pins(target: str) -> dict:
 def _cuda_pins(aten) -> dict:
     lowering = {
         # im2col / col2im (nn.Unfold / nn.Fold, ConvBERT) pad their input in the lowering
-        "Pad": (aten.pad, aten.constant_pad_nd, aten.reflection_pad1d, aten.reflection_pad2d,
-                aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
-                aten.replication_pad3d, aten._pad_circular, aten.im2col, aten.col2im),
-        "Resize": (aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
-                   aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d,
-                   aten._upsample_nearest_exact3d, aten.upsample_linear1d, aten.upsample_bilinear2d,
-                   aten.upsample_bicubic2d, aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa,
-                   aten._upsample_bicubic2d_aa),
+        "Pad": (
+            aten.pad,
+            aten.constant_pad_nd,
+            aten.reflection_pad1d,
+            aten.reflection_pad2d,
+            aten.reflection_pad3d,
+            aten.replication_pad1d,
+            aten.replication_pad2d,
+            aten.replication_pad3d,
+            aten._pad_circular,
+            aten.im2col,
+            aten.col2im,
+        ),
+        "Resize": (
+            aten.upsample_nearest1d,
+            aten.upsample_nearest2d,
+            aten.upsample_nearest3d,
+            aten._upsample_nearest_exact1d,
+            aten._upsample_nearest_exact2d,
+            aten._upsample_nearest_exact3d,
+            aten.upsample_linear1d,
+            aten.upsample_bilinear2d,
+            aten.upsample_bicubic2d,
+            aten.upsample_trilinear3d,
+            aten._upsample_bilinear2d_aa,
+            aten._upsample_bicubic2d_aa,
+        ),
         "ReduceMax": (aten.amax, aten.max, aten.aminmax),
         "ReduceMin": (aten.amin, aten.min),
     }
-    return {op: f"no BF16 {onnx_op} kernel on ORT {ORT_VERSION} CUDA: FP32 in the export"
-            for onnx_op, ops in lowering.items() for op in ops}
+    return {
+        op: f"no BF16 {onnx_op} kernel on ORT {ORT_VERSION} CUDA: FP32 in the export"
+        for onnx_op, ops in lowering.items()
+        for op in ops
+    }

@@ -1,0 +1,82 @@
+"""The inner compiler: Inductor configured for amp's graphs, or any backend by name.
+
+With Inductor amp adds its joint-graph and post-grad passes (``amp_compiler.inductor_passes``),
+its partitioner under the default memory budget, and a lower realize threshold; none of
+them changes a value.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from amp_compiler.passes.graph_util import draws_random
+
+from .device import device_of
+
+log = logging.getLogger("amp_compiler")
+
+
+def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
+    """The partitioner's activation memory budget for ``gm``: ``asked``, else 0.8 (recompute
+    cheap ops instead of saving them); always 1.0 for a graph that draws random numbers.
+    Below 1.0 the partitioner may recompute dropout in backward, which then draws a new
+    mask (ATen's random kernels on CPU): a silently wrong gradient (tested)."""
+    if not any(draws_random(n) for n in gm.graph.nodes):
+        return 0.8 if asked is None else asked
+    if asked is not None and asked < 1.0:
+        log.warning("memory_budget=%s not applied to a graph with random ops (dropout): "
+                    "recomputing them in backward would draw new masks; using 1.0", asked)
+    return 1.0
+
+
+# Inductor stores a value used more than once when it reads more buffers than this (its own: 4)
+REALIZE_READS = 2
+
+
+def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float | None) -> Callable:
+    if callable(inner):
+        return inner
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        from amp_compiler.inductor_passes.infra import InductorPass
+
+        patches = {}
+        if mode and mode != "default":
+            from torch._inductor import list_mode_options
+
+            patches = dict(list_mode_options(mode))
+        # backward reads the 16-bit copies of FP32 islands that are saved anyway, and
+        # recomputes comparison masks instead of saving bool tensors (slow C++ code)
+        patches["joint_custom_pre_pass"] = [
+            InductorPass("amp_compiler.inductor_passes.saved_copies", "reuse_saved_copies"),
+            InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks")]
+        if memory_budget is None:
+            # the default budget recomputes activations, not the parameters' 16-bit copies
+            from amp_compiler.inductor_passes.weight_copies import WeightCopiesSaved
+
+            patches["custom_partitioner_fn"] = WeightCopiesSaved()
+        # a batch times one shared weight as one mm, not a bmm over a broadcast copy
+        patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.inductor_passes.fold_broadcast_bmm",
+                                                            "fold_broadcast_bmm")
+        # Under the memory budget the residual stream is recomputed from its 16-bit terms, not
+        # saved; with Inductor's threshold (4 reads) each layer then inlines a different number
+        # of terms into its LayerNorm, one distinct C++ kernel per layer. Storing a reused value
+        # that reads more than 2 buffers makes the layers' kernels identical: compiled once (the
+        # first call ~17% shorter on a 4-layer LM, 33 kernels -> 24), step time unchanged.
+        patches["realize_reads_threshold"] = REALIZE_READS
+        def compile_(gm, ex):
+            # the device the dtype was resolved for (rewrite); CUDA keeps Triton's random
+            cpu = device_of(ex).type == "cpu"
+            # the partition into forward and backward happens inside this call
+            budget = memory_budget_for(gm, memory_budget)
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                return compile_fx(gm, ex, config_patches={**patches, "fallback_random": True} if cpu else patches)
+
+        return compile_
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(inner)

@@ -1,0 +1,22 @@
+"""``export_onnx``: a BF16 inference graph for ONNX Runtime, from the same plan as training.
+
+    torch.export (ATen, the tables' vocabulary) -> the amp pipeline (tag, casts, fold,
+    verify) -> weights read only in 16 bit stored in 16 bit -> torch.onnx.export
+    -> checks -> the file appears.
+
+Everything is written into a temporary folder beside ``path`` and moved into place only
+when export and checks succeeded, so a failure leaves nothing behind.
+
+Modules: ``program`` (the planned torch.export program), ``export`` (writing and moving
+into place), ``structure`` and ``parity`` (the checks), ``emulation`` (BF16 rounded
+through Cast pairs, for ORT's CPU provider), ``coverage`` (ORT's kernels per provider).
+"""
+
+from .base import EXPORT_DTYPES, TARGETS, ExportError
+from .emulation import emulate_low
+from .export import ExportReport, export_onnx
+from .parity import check_parity
+from .structure import check_structure
+
+__all__ = ["EXPORT_DTYPES", "TARGETS", "ExportError", "ExportReport", "check_parity", "check_structure",
+           "emulate_low", "export_onnx"]

@@ -1,0 +1,42 @@
+"""The codebase's shape: layered modules, no cycles, no reaching into another module's privates."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _graph_tool():
+    spec = importlib.util.spec_from_file_location("module_graph", ROOT / "tools" / "module_graph.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_module_graph_has_no_cycle_upward_or_private_import():
+    """Every import goes to the importer's layer or below, and never to a ``_private`` name."""
+    assert _graph_tool().problems() == []
+
+
+def test_module_graph_check_catches_an_upward_and_a_private_import(tmp_path, monkeypatch):
+    """The check can fail: a vocabulary module importing the backend's private helper."""
+    tool = _graph_tool()
+    real = tool.modules()
+    bad = tmp_path / "policy.py"
+    bad.write_text("from .backend import _saved_tensors_hooks_off\n")
+    monkeypatch.setattr(tool, "modules", lambda: {**real, "amp_compiler.policy": bad})
+    found = tool.problems()
+    assert any(p.startswith("upward import: amp_compiler.policy") for p in found)
+    assert "private import: amp_compiler.policy: amp_compiler.backend._saved_tensors_hooks_off" in found
+
+
+def test_one_version_source():
+    """The version is written once (amp_compiler/version.py); packaging and the package agree."""
+    from importlib.metadata import version
+
+    import amp_compiler
+
+    assert version("amp-compiler") == amp_compiler.__version__
+    assert 'version = "' not in (ROOT / "pyproject.toml").read_text()
