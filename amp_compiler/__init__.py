@@ -1,8 +1,8 @@
 """amp-compiler: automatic mixed precision as a torch.compile backend.
 
-    torch.compile(model, backend="amp")                      # BF16 where native, else FP32
-    torch.compile(model, backend="amp", options={"dtype": "fp16"})
-    amp_compiler.explain(model, x).format_table()            # what runs in what, and why
+torch.compile(model, backend="amp")                      # BF16 where native, else FP32
+torch.compile(model, backend="amp", options={"dtype": "fp16"})
+amp_compiler.explain(model, x).format_table()            # what runs in what, and why
 """
 
 from .backend import AmpBackend, CompileRecord, amp
@@ -21,8 +21,32 @@ from .train import MasterWeightsError, StepResult, TrainStep, make_train_step
 from .version import __version__ as __version__
 
 __all__ = [
-    "AlertEvent", "AmpBackend", "AmpConfig", "AmpConfigError", "Calibration", "calibrate", "ExportError", "ExportReport", "export_onnx", "AmpOptions", "AmpOptionsError", "AmpPolicyError",
-    "AmpVerifyError", "CompileRecord", "GraphPlan", "LossScaler", "MasterWeightsError",
-    "NodePlan", "NonFiniteMonitor", "Policy", "PrecisionMismatchError", "Precision", "PrecisionPlan", "StepResult",
-    "TrainStep", "amp", "explain", "make_train_step",
+    "AlertEvent",
+    "AmpBackend",
+    "AmpConfig",
+    "AmpConfigError",
+    "Calibration",
+    "calibrate",
+    "ExportError",
+    "ExportReport",
+    "export_onnx",
+    "AmpOptions",
+    "AmpOptionsError",
+    "AmpPolicyError",
+    "AmpVerifyError",
+    "CompileRecord",
+    "GraphPlan",
+    "LossScaler",
+    "MasterWeightsError",
+    "NodePlan",
+    "NonFiniteMonitor",
+    "Policy",
+    "PrecisionMismatchError",
+    "Precision",
+    "PrecisionPlan",
+    "StepResult",
+    "TrainStep",
+    "amp",
+    "explain",
+    "make_train_step",
 ]

@@ -57,12 +57,15 @@ class AmpBackend:
             from .config import AmpConfig, AmpConfigError
 
             if isinstance(options, AmpOptions):
-                raise AmpOptionsError("config= goes with options given as a dict or keywords, "
-                                      "not an AmpOptions object (whose dtype would hide the config's)")
+                raise AmpOptionsError(
+                    "config= goes with options given as a dict or keywords, "
+                    "not an AmpOptions object (whose dtype would hide the config's)"
+                )
             cfg = AmpConfig.load(config)
             if "dtype" in {**(options or {}), **kwargs} and cfg.dtype is not None:
-                raise AmpConfigError(f"dtype given both as an option and by {cfg.describe()} "
-                                      f"({cfg.dtype}); set it in one place")
+                raise AmpConfigError(
+                    f"dtype given both as an option and by {cfg.describe()} ({cfg.dtype}); set it in one place"
+                )
             options = {**cfg.options, **({"dtype": cfg.dtype} if cfg.dtype else {}), **(options or {})}
         if isinstance(options, AmpOptions):
             self.options = options.replace(**kwargs) if kwargs else options
@@ -79,8 +82,13 @@ class AmpBackend:
     def __repr__(self) -> str:
         return f"AmpBackend(dtype={self.options.dtype!r}, graphs={len(self.records)})"
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 options: dict | None = None, mode: str | None = None) -> Callable:
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        options: dict | None = None,
+        mode: str | None = None,
+    ) -> Callable:
         opts = self.options.replace(**options) if options else self.options
         record = self.rewrite(gm, example_inputs, opts)
         budget = opts.memory_budget
@@ -90,8 +98,9 @@ class AmpBackend:
             budget = 1.0
         return inner_compiler(opts.inner, mode, budget)(record.graph, list(example_inputs))
 
-    def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                opts: AmpOptions | None = None) -> CompileRecord:
+    def rewrite(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: AmpOptions | None = None
+    ) -> CompileRecord:
         """Capture ``gm`` as ATen, run the pipeline, record it; returns the record, whose
         ``graph`` is the one to compile."""
         opts = opts or self.options
@@ -115,15 +124,25 @@ class AmpBackend:
                 raise  # what the user configured (strict, a policy file) holds here too
             except Exception as e:  # noqa: BLE001 - autocast alone is what plain torch.compile runs
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-                log.warning("amp: a graph Dynamo traced under torch.autocast(%r, %s) could not be "
-                            "planned (%s); it runs as autocast alone makes it. Drop the "
-                            "torch.autocast context around the compiled model: amp needs none.",
-                            device.type, around, why)
-                plan = GraphPlan(self.compiled, around, f"torch.autocast({device.type}, {around}) "
-                                 f"around the call; amp's plan not applied ({why})")
+                log.warning(
+                    "amp: a graph Dynamo traced under torch.autocast(%r, %s) could not be "
+                    "planned (%s); it runs as autocast alone makes it. Drop the "
+                    "torch.autocast context around the compiled model: amp needs none.",
+                    device.type,
+                    around,
+                    why,
+                )
+                plan = GraphPlan(
+                    self.compiled,
+                    around,
+                    f"torch.autocast({device.type}, {around}) around the call; amp's plan not applied ({why})",
+                )
                 plan.applied = False
-                return self._record(CompileRecord(self.compiled, around, plan.dtype_reason, gm, plan,
-                                                  [], opts, self._took(gm, example_inputs)))
+                return self._record(
+                    CompileRecord(
+                        self.compiled, around, plan.dtype_reason, gm, plan, [], opts, self._took(gm, example_inputs)
+                    )
+                )
 
     def _rewrite_as(self, gm, example_inputs, opts, device, around) -> CompileRecord:
         if self.decided is not None and self.decided[0] == opts.dtype:
@@ -145,8 +164,7 @@ class AmpBackend:
     def _planned(self, gm, example_inputs, opts, low_dtype):
         """Dynamo's graph as ATen, through the pipeline: (graph, fake mode, fake inputs, passes)."""
         aten_gm, fake_mode, inputs = to_aten(gm, example_inputs)
-        ctx = PassContext(policy=opts.policy(low_dtype), options=opts, fake_mode=fake_mode,
-                          graph_index=self.compiled)
+        ctx = PassContext(policy=opts.policy(low_dtype), options=opts, fake_mode=fake_mode, graph_index=self.compiled)
         return aten_gm, fake_mode, inputs, run_pipeline(aten_gm, ctx, self.pipeline)
 
     def _rewrite(self, gm, example_inputs, opts, dtype, reason) -> CompileRecord:
@@ -158,8 +176,9 @@ class AmpBackend:
             check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
-        return self._record(CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts,
-                                          self._took(gm, example_inputs)))
+        return self._record(
+            CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts, self._took(gm, example_inputs))
+        )
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> CompileRecord:
         """FP32: Dynamo's graph goes on unchanged; the BF16 plan is recorded for inspection."""
@@ -171,20 +190,21 @@ class AmpBackend:
             passes = []
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
-        return self._record(CompileRecord(index, "fp32", reason, gm, plan, passes, opts,
-                                          self._took(gm, example_inputs)))
+        return self._record(
+            CompileRecord(index, "fp32", reason, gm, plan, passes, opts, self._took(gm, example_inputs))
+        )
 
     def _record_backward(self, gm, example_inputs, opts) -> CompileRecord:
         """Compiled autograd's backward graph goes on as written: its dtypes are what the
         forward graphs' plans made them (a 16-bit matmul's gradient is 16 bit, an FP32
         island's is FP32); planning it again would put the islands' backward in 16 bit."""
-        reason = ("compiled autograd's backward graph: handed on as written, its dtypes "
-                  "follow the forward graphs' plans")
+        reason = "compiled autograd's backward graph: handed on as written, its dtypes follow the forward graphs' plans"
         dtype = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)[0]
         plan = GraphPlan(self.compiled, dtype, reason)
         plan.applied = False
-        return self._record(CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts,
-                                          self._took(gm, example_inputs)))
+        return self._record(
+            CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts, self._took(gm, example_inputs))
+        )
 
     def _took(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
         return self.coverage.took(gm, example_inputs)
@@ -192,14 +212,21 @@ class AmpBackend:
     def _record(self, record: CompileRecord) -> CompileRecord:
         self.compiled += 1
         self.records.append(record)
-        del self.records[:-self.max_records]
+        del self.records[: -self.max_records]
         s = record.plan.summary()
         if not record.plan.applied:
             log.info("graph %d: handed on unchanged (%s)", record.index, record.dtype_reason)
             return record
-        log.info("graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)", record.index,
-                 s["nodes"]["LOW"], sum(s["nodes"].values()), record.dtype, s["nodes"]["FP32"],
-                 s["casts"], record.dtype_reason)
+        log.info(
+            "graph %d: %d/%d ops in %s, %d in FP32, using %d casts (%s)",
+            record.index,
+            s["nodes"]["LOW"],
+            sum(s["nodes"].values()),
+            record.dtype,
+            s["nodes"]["FP32"],
+            s["casts"],
+            record.dtype_reason,
+        )
         return record
 
     def plan(self) -> PrecisionPlan:
@@ -214,8 +241,7 @@ class AmpBackend:
 def _with_policy(reason: str, opts: AmpOptions) -> str:
     if opts.policy_source is None:
         return reason
-    won = (f"; explicit {', '.join(opts.policy_overridden)} given beside it win"
-           if opts.policy_overridden else "")
+    won = f"; explicit {', '.join(opts.policy_overridden)} given beside it win" if opts.policy_overridden else ""
     return f"{reason}; policy file {opts.policy_file}{won}"
 
 

@@ -34,9 +34,20 @@ from .plan import PrecisionPlan
 from .policy_file import FORMAT, VERSION, fingerprint, with_pins
 
 __all__ = ["Calibration", "Pin", "calibrate"]
-_MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear", "aten.baddbmm",
-            "aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d",
-            "aten._scaled_dot_product_flash_attention_for_cpu", "aten.scaled_dot_product_attention")
+_MATMULS = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.matmul",
+    "aten.linear",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten.conv1d",
+    "aten.conv2d",
+    "aten.conv3d",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten.scaled_dot_product_attention",
+)
 
 
 @dataclass
@@ -59,8 +70,7 @@ class Measure:
     plan: PrecisionPlan | None = None
 
     def within(self, budget: float, dtype: str) -> bool:
-        return (not self.nonfinite and self.error <= budget
-                and not (dtype == "fp16" and self.out_of_range))
+        return not self.nonfinite and self.error <= budget and not (dtype == "fp16" and self.out_of_range)
 
 
 @dataclass
@@ -82,9 +92,11 @@ class Calibration:
         return with_pins(self.base_options, ((p.option, p.pattern) for p in self.pins))
 
     def summary(self) -> str:
-        lines = [f"{self.dtype}, budget {self.budget:.1e} over {self.batches} batch(es): output error "
-                 f"{self.error_before:.2e} -> {self.error_after:.2e}"
-                 + ("" if self.within_budget else " (NOT within budget: see the pins tried)")]
+        lines = [
+            f"{self.dtype}, budget {self.budget:.1e} over {self.batches} batch(es): output error "
+            f"{self.error_before:.2e} -> {self.error_after:.2e}"
+            + ("" if self.within_budget else " (NOT within budget: see the pins tried)")
+        ]
         if not self.pins:
             lines.append("no pins needed" if self.within_budget else "no pin found that helps")
         for p in self.pins:
@@ -95,16 +107,27 @@ class Calibration:
     def to_dict(self) -> dict:
         from .version import __version__
 
-        return {"format": FORMAT, "version": VERSION, "dtype": self.dtype, "budget": self.budget,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "amp_compiler": __version__, "torch": torch.__version__,
-                "fingerprints": self.fingerprints,
-                "measured": {"error_before": _num(self.error_before), "error_after": _num(self.error_after),
-                             "batches": self.batches, "fp32_flops_share": self.fp32_flops_share,
-                             "within_budget": self.within_budget},
-                "pins": [{k: _num(v) for k, v in asdict(p).items()} for p in self.pins],
-                "overrides": {k: list(v) if isinstance(v, tuple) else v
-                              for k, v in self.base_options.items() if _jsonable(v)}}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype,
+            "budget": self.budget,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "amp_compiler": __version__,
+            "torch": torch.__version__,
+            "fingerprints": self.fingerprints,
+            "measured": {
+                "error_before": _num(self.error_before),
+                "error_after": _num(self.error_after),
+                "batches": self.batches,
+                "fp32_flops_share": self.fp32_flops_share,
+                "within_budget": self.within_budget,
+            },
+            "pins": [{k: _num(v) for k, v in asdict(p).items()} for p in self.pins],
+            "overrides": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in self.base_options.items() if _jsonable(v)
+            },
+        }
 
     def save(self, path: str) -> None:
         """Write the policy file atomically (a temp file renamed into place)."""
@@ -150,8 +173,11 @@ def _measure(model, batches, dtype, options, loss_fn) -> Measure:
         with torch.no_grad():
             ref = model(*args, **kwargs)
             out = compiled(*args, **kwargs)
-        pairs = [(a, r) for a, r in zip(tree_leaves(out), tree_leaves(ref))
-                 if isinstance(r, torch.Tensor) and r.is_floating_point()]
+        pairs = [
+            (a, r)
+            for a, r in zip(tree_leaves(out), tree_leaves(ref))
+            if isinstance(r, torch.Tensor) and r.is_floating_point()
+        ]
         if loss_fn is not None:
             pairs.append((loss_fn(out).detach().reshape(1), loss_fn(ref).detach().reshape(1)))
         for a, r in pairs:
@@ -164,16 +190,20 @@ def _measure(model, batches, dtype, options, loss_fn) -> Measure:
 def _profile(model, args, kwargs, dtype, options, m: Measure) -> None:
     def graph(index, amp_gm):
         for node in amp_gm.graph.nodes:  # inputs by their original names (casts looked through)
-            m.inputs[f"{index}:{node.name}"] = [f"{index}:{_through_casts(a).name}"
-                                                for a in node.all_input_nodes]
+            m.inputs[f"{index}:{node.name}"] = [f"{index}:{_through_casts(a).name}" for a in node.all_input_nodes]
             m.flops[f"{index}:{node.name}"] = _flops(node)
 
     def ran(index, amp_gm, ref_values, amp_values):
         for node in amp_gm.graph.nodes:
             i = info(node)
-            if (dtype == "fp16" and i is not None and i.planned == torch.float16
-                    and node.name in amp_values and node.name in ref_values
-                    and ref_values[node.name].abs().max() > FP16_MAX):
+            if (
+                dtype == "fp16"
+                and i is not None
+                and i.planned == torch.float16
+                and node.name in amp_values
+                and node.name in ref_values
+                and ref_values[node.name].abs().max() > FP16_MAX
+            ):
                 m.out_of_range = True
 
     torch._dynamo.reset()
@@ -230,9 +260,16 @@ def _flops(node: torch.fx.Node) -> float:
         return 0.0
 
 
-def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "bf16",
-              budget: float = 1e-2, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-              options: dict | None = None, max_pins: int = 8) -> Calibration:
+def calibrate(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    *,
+    dtype: str = "bf16",
+    budget: float = 1e-2,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    options: dict | None = None,
+    max_pins: int = 8,
+) -> Calibration:
     """Find the smallest set of FP32 pins that brings every output under ``budget``
     (see the module docstring). ``batches``: inputs as a tensor, a tuple or a dict each."""
     if dtype not in ("bf16", "fp16"):
@@ -246,6 +283,7 @@ def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "b
     was_training = model.training
     model.eval()
     try:
+
         def measure(pins: list[Pin]) -> Measure:
             opts = with_pins(base, ((p.option, p.pattern) for p in pins))
             return _measure(model, batches, dtype, opts, loss_fn)
@@ -262,12 +300,15 @@ def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "b
             after = measure(pins + [Pin(option, pattern, "", 0, 0)])
             if after.error >= current.error and not (current.nonfinite and not after.nonfinite):
                 continue  # this pin does not help: leave it out, try the next culprit
-            why = ("Inf/NaN" if culprit.nonfinite else
-                   f"beyond FP16's range (|x| up to {culprit.max_abs:.3g})" if culprit.max_abs > FP16_MAX
-                   and dtype == "fp16" else f"adds the most error (node error {culprit.rel_error:.2e})")
+            why = (
+                "Inf/NaN"
+                if culprit.nonfinite
+                else f"beyond FP16's range (|x| up to {culprit.max_abs:.3g})"
+                if culprit.max_abs > FP16_MAX and dtype == "fp16"
+                else f"adds the most error (node error {culprit.rel_error:.2e})"
+            )
             where = f"module '{culprit.module}'" if culprit.module else f"op {culprit.op}"
-            pins.append(Pin(option, pattern, f"{where}: {culprit.op} {why}",
-                            _num(current.error), _num(after.error)))
+            pins.append(Pin(option, pattern, f"{where}: {culprit.op} {why}", _num(current.error), _num(after.error)))
             current = after
         if current.within(budget, dtype):
             # a pin the others make unnecessary goes again: fewest pins that hold the budget
@@ -278,8 +319,18 @@ def calibrate(model: torch.nn.Module, batches: Iterable[Any], *, dtype: str = "b
                     pins, current = rest, trial
         share = _fp32_share(first, current)
         prints = [fingerprint(g.nodes) for g in first.plan.graphs] if first.plan else []
-        return Calibration(dtype, float(budget), pins, first.error, current.error, share,
-                           len(batches), prints, base, current.within(budget, dtype))
+        return Calibration(
+            dtype,
+            float(budget),
+            pins,
+            first.error,
+            current.error,
+            share,
+            len(batches),
+            prints,
+            base,
+            current.within(budget, dtype),
+        )
     finally:
         model.train(was_training)
         torch._dynamo.reset()

@@ -51,7 +51,8 @@ def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
         elif isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
             context = tracing.tensor_to_context.get(x) if tracing is not None else None
             x = fake_mode.from_tensor(
-                x, symbolic_context=context,
+                x,
+                symbolic_context=context,
                 source=context.tensor_source if context is not None else None,
                 trace=context is None,
             )
@@ -85,8 +86,7 @@ def held_tensors(*graphs: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return held
 
 
-def lift_attributes(gm: torch.fx.GraphModule, held: dict[str, torch.Tensor]
-                    ) -> torch.fx.GraphModule:
+def lift_attributes(gm: torch.fx.GraphModule, held: dict[str, torch.Tensor]) -> torch.fx.GraphModule:
     """A copy of ``gm`` that takes the ``held`` tensors as inputs after its own, in that order,
     in place of reading them off the module (one it does not read becomes an unused input).
     Traced so, an in-place update of one is an op on an input, as AOTAutograd lifts a
@@ -107,13 +107,12 @@ def lift_attributes(gm: torch.fx.GraphModule, held: dict[str, torch.Tensor]
     return lifted
 
 
-def _restore_attributes(gm: torch.fx.GraphModule, traced: torch.fx.GraphModule,
-                        held: dict[str, torch.Tensor]) -> None:
+def _restore_attributes(gm: torch.fx.GraphModule, traced: torch.fx.GraphModule, held: dict[str, torch.Tensor]) -> None:
     """Turn the trailing inputs ``lift_attributes`` added for ``gm``'s own ``held`` tensors
     back into get_attr reads of them, held on ``traced`` as ``gm`` held them (parameter,
     buffer or plain attribute)."""
     params, buffers = dict(gm.named_parameters()), dict(gm.named_buffers())
-    placeholders = list(traced.graph.find_nodes(op="placeholder"))[-len(held):]
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))[-len(held) :]
     for (target, tensor), placeholder in zip(held.items(), placeholders):
         name = target.replace(".", "_")
         if target in params:
@@ -224,8 +223,7 @@ def _keep_dynamo_inputs(source: torch.fx.GraphModule, traced: torch.fx.GraphModu
     traced.meta["dynamo_compile_id"] = source.meta["dynamo_compile_id"]
 
 
-def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
-            ) -> tuple[torch.fx.GraphModule, object, list]:
+def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple[torch.fx.GraphModule, object, list]:
     """Trace ``gm`` to pre-dispatch ATen, keeping node metadata; returns (graph, fake
     mode, the fake inputs it was traced with)."""
 

@@ -68,8 +68,14 @@ def cmd_calibrate(args) -> int:
     model, batches = load_batches(args.target, args.input, args.batches)
     cal = calibrate(model, batches, dtype=args.dtype, budget=args.budget, options=_options(args))
     console = Console()
-    table = Table("option", "pattern", "error before", "error after", "reason",
-                  title=f"{args.target}: {cal.dtype}, budget {cal.budget:.1e}")
+    table = Table(
+        "option",
+        "pattern",
+        "error before",
+        "error after",
+        "reason",
+        title=f"{args.target}: {cal.dtype}, budget {cal.budget:.1e}",
+    )
     for p in cal.pins:
         table.add_row(p.option, p.pattern, f"{p.error_before:.2e}", f"{p.error_after:.2e}", p.reason)
     console.print(table)
@@ -83,7 +89,8 @@ def cmd_calibrate(args) -> int:
 NOTHING_COMPILED = (
     "Dynamo compiled no graph of this model, so amp plans nothing: under torch.compile it runs "
     "as written, in FP32 (a forward marked torch.compiler.disable, or a graph break Dynamo "
-    "gives up on; TORCH_LOGS=graph_breaks shows where)")
+    "gives up on; TORCH_LOGS=graph_breaks shows where)"
+)
 
 
 def _touched(model, margs, mkwargs) -> set[int] | None:
@@ -142,12 +149,15 @@ def cmd_inspect(args) -> int:
             listing = plan.format_table(None if args.all else floating)
         else:
             listing = _tree_text(module_tree(plan, f"amp plan: {args.target}"), args.output)
-        text = "\n".join([
-            listing, "",
-            "nodes per precision: " + ", ".join(f"{k} {v}" for k, v in s["nodes"].items()),
-            f"casts inserted: {s['casts']}; bytes cast per step: {mib}",
-            f"unknown ops: {s['unknown_ops'] or 'none'}",
-        ])
+        text = "\n".join(
+            [
+                listing,
+                "",
+                "nodes per precision: " + ", ".join(f"{k} {v}" for k, v in s["nodes"].items()),
+                f"casts inserted: {s['casts']}; bytes cast per step: {mib}",
+                f"unknown ops: {s['unknown_ops'] or 'none'}",
+            ]
+        )
     write_output(text, args.output)
     return 0
 
@@ -160,8 +170,9 @@ def _tree_text(tree, path: str | None) -> str:
 
     buf = io.StringIO()
     colour = path is None and sys.stdout.isatty()
-    Console(file=buf, force_terminal=colour, color_system="auto" if colour else None,
-            width=None if colour else 120).print(tree)
+    Console(
+        file=buf, force_terminal=colour, color_system="auto" if colour else None, width=None if colour else 120
+    ).print(tree)
     return buf.getvalue().rstrip()
 
 
@@ -202,10 +213,19 @@ def cmd_export(args) -> int:
     model, margs, mkwargs = load_target(args.target, args.input)
     dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
     try:
-        report = export_onnx(model, margs, args.output, kwargs=mkwargs, dtype=args.dtype,
-                             target=args.target_ep, dynamic_shapes=dynamic, opset=args.opset,
-                             check=not args.no_check, low_precision_io=args.low_precision_io,
-                             options=_options(args))
+        report = export_onnx(
+            model,
+            margs,
+            args.output,
+            kwargs=mkwargs,
+            dtype=args.dtype,
+            target=args.target_ep,
+            dynamic_shapes=dynamic,
+            opset=args.opset,
+            check=not args.no_check,
+            low_precision_io=args.low_precision_io,
+            options=_options(args),
+        )
     except ValueError as e:  # a refused dtype/target combination
         raise CliError(str(e)) from None
     except ExportError as e:
@@ -229,8 +249,7 @@ def _dynamic_shapes(specs: list[str], args: tuple, kwargs: dict):
     def one(t):
         return {a: d for a, d in axes.items() if a < t.dim()} if hasattr(t, "dim") else None
 
-    return (tuple(one(a) for a in args) if not kwargs
-            else {k: one(v) for k, v in kwargs.items()} if not args else None)
+    return tuple(one(a) for a in args) if not kwargs else {k: one(v) for k, v in kwargs.items()} if not args else None
 
 
 def cmd_demo(args) -> int:
@@ -241,73 +260,109 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="amp-compiler", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="amp-compiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def target_args(p):
-        p.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; the factory "
-                       "returns a model or (model, example_inputs)")
-        p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
-                       help="example input, e.g. 2x128:int64 or 4x3x32x32 (repeatable)")
-        p.add_argument("--fp32-module", action="append", metavar="REGEX",
-                       help="pin modules matching REGEX to FP32 (repeatable)")
+        p.add_argument(
+            "target",
+            help="pkg.module:factory or path/to/file.py:factory; the factory "
+            "returns a model or (model, example_inputs)",
+        )
+        p.add_argument(
+            "--input",
+            action="append",
+            metavar="SHAPE[:DTYPE]",
+            help="example input, e.g. 2x128:int64 or 4x3x32x32 (repeatable)",
+        )
+        p.add_argument(
+            "--fp32-module", action="append", metavar="REGEX", help="pin modules matching REGEX to FP32 (repeatable)"
+        )
         p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
         p.add_argument("--policy-file", metavar="FILE", help="apply a calibrated policy file")
 
-    p = sub.add_parser("inspect", help="show the precision plan: per node precision, reason, casts",
-                       description="Show the precision plan of a model (or an ONNX file's dtypes).")
+    p = sub.add_parser(
+        "inspect",
+        help="show the precision plan: per node precision, reason, casts",
+        description="Show the precision plan of a model (or an ONNX file's dtypes).",
+    )
     target_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
-    p.add_argument("--nodes", action="store_true",
-                   help="list every node touching a floating tensor instead of the module tree")
+    p.add_argument(
+        "--nodes", action="store_true", help="list every node touching a floating tensor instead of the module tree"
+    )
     p.add_argument("--all", action="store_true", help="list every node, integer plumbing too")
-    p.add_argument("--ep", choices=["cpu", "cuda"], default="cuda",
-                   help="ONNX Runtime provider whose kernels to check (ONNX targets)")
+    p.add_argument(
+        "--ep",
+        choices=["cpu", "cuda"],
+        default="cuda",
+        help="ONNX Runtime provider whose kernels to check (ONNX targets)",
+    )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("doctor", help="run FP32 and amp side by side; find and pin what overflows",
-                       description="Compare FP32 and amp node by node in BF16 and FP16; report the "
-                       "largest errors, the first Inf/NaN or out-of-FP16-range output, and propose pins.")
+    p = sub.add_parser(
+        "doctor",
+        help="run FP32 and amp side by side; find and pin what overflows",
+        description="Compare FP32 and amp node by node in BF16 and FP16; report the "
+        "largest errors, the first Inf/NaN or out-of-FP16-range output, and propose pins.",
+    )
     target_args(p)
-    p.add_argument("--dtype", action="append", choices=["bf16", "fp16"],
-                   help="dtypes to run (default both)")
+    p.add_argument("--dtype", action="append", choices=["bf16", "fp16"], help="dtypes to run (default both)")
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("--top", type=int, default=5, help="how many worst nodes to list")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("calibrate", help="measure the model and write the FP32 pins it needs",
-                       description="Run FP32 and amp on N batches, pin (modules first) until every "
-                       "output is within the budget, and write the policy file.")
+    p = sub.add_parser(
+        "calibrate",
+        help="measure the model and write the FP32 pins it needs",
+        description="Run FP32 and amp on N batches, pin (modules first) until every "
+        "output is within the budget, and write the policy file.",
+    )
     target_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--budget", type=float, default=1e-2, help="largest relative output error")
     p.add_argument("--batches", type=int, default=4, help="batches drawn from the factory")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("export", help="export a BF16 inference graph to ONNX for ONNX Runtime",
-                       description="Export the model through the amp plan to ONNX; checks structure, "
-                       "onnx.checker and numbers before the file appears.")
+    p = sub.add_parser(
+        "export",
+        help="export a BF16 inference graph to ONNX for ONNX Runtime",
+        description="Export the model through the amp plan to ONNX; checks structure, "
+        "onnx.checker and numbers before the file appears.",
+    )
     target_args(p)
     p.set_defaults(output=None)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--target", dest="target_ep", choices=["cuda", "cpu"], default="cuda",
-                   help="ONNX Runtime provider the graph is for")
-    p.add_argument("--dynamic", action="append", metavar="AXIS:NAME",
-                   help="dynamic axis of every input, e.g. 0:batch (repeatable)")
+    p.add_argument(
+        "--target",
+        dest="target_ep",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="ONNX Runtime provider the graph is for",
+    )
+    p.add_argument(
+        "--dynamic", action="append", metavar="AXIS:NAME", help="dynamic axis of every input, e.g. 0:batch (repeatable)"
+    )
     p.add_argument("--opset", type=int, default=None)
     p.add_argument("--low-precision-io", action="store_true", help="keep inputs/outputs in 16 bit")
     p.add_argument("--no-check", action="store_true", help="skip the structure and parity checks")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("demo", help="train a small built-in model in FP32 and with amp, side by side",
-                       description="Train a small transformer with FP32 and with the amp training "
-                       "step; print losses, the plan summary and the speed ratio.")
+    p = sub.add_parser(
+        "demo",
+        help="train a small built-in model in FP32 and with amp, side by side",
+        description="Train a small transformer with FP32 and with the amp training "
+        "step; print losses, the plan summary and the speed ratio.",
+    )
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="auto: what this machine runs fast (BF16, else FP16, else FP32)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="auto: what this machine runs fast (BF16, else FP16, else FP32)",
+    )
     p.add_argument("--inner", choices=["inductor", "aot_eager", "eager"], default="inductor")
     p.set_defaults(func=cmd_demo)
     return parser

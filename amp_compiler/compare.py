@@ -59,8 +59,7 @@ class _Recorder(torch.fx.Interpreter):
 
     def run_node(self, n):
         out = super().run_node(n)
-        if n.op == "call_function" and isinstance(out, torch.Tensor) and out.is_floating_point() \
-                and self.keep(n):
+        if n.op == "call_function" and isinstance(out, torch.Tensor) and out.is_floating_point() and self.keep(n):
             self.values[n.name] = out.detach()
         return out
 
@@ -77,13 +76,24 @@ def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
         nonfinite = bool(not torch.isfinite(a).all() and torch.isfinite(r).all())
         denom = r.norm().item()
         err = float("inf") if nonfinite else ((a - r).norm().item() / denom if denom > 0 else 0.0)
-        rows.append(NodeError(index, node.name, i.op, i.module, i.precision.value, err,
-                              r.abs().max().item() if r.numel() else 0.0, nonfinite))
+        rows.append(
+            NodeError(
+                index,
+                node.name,
+                i.op,
+                i.module,
+                i.precision.value,
+                err,
+                r.abs().max().item() if r.numel() else 0.0,
+                nonfinite,
+            )
+        )
     return rows
 
 
-def side_by_side(model, args, kwargs, dtype: str, options: AmpOptions | dict | None, *,
-                 on_graph=None, on_run=None) -> tuple[DoctorRun, AmpBackend]:
+def side_by_side(
+    model, args, kwargs, dtype: str, options: AmpOptions | dict | None, *, on_graph=None, on_run=None
+) -> tuple[DoctorRun, AmpBackend]:
     """Run every graph FP32 and through the plan on the same inputs, node by node.
 
     ``on_graph(index, amp_gm)`` sees each rewritten graph once; ``on_run(index, amp_gm,

@@ -23,18 +23,49 @@ from typing import Any
 
 from .options import AmpOptions, AmpOptionsError
 
-FP16_KEYS = {"enabled": bool, "loss_scale": (int, float), "initial_scale_power": int,
-             "loss_scale_window": int, "hysteresis": int, "min_loss_scale": (int, float)}
-FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                 "hysteresis": 2, "min_loss_scale": 1}
+FP16_KEYS = {
+    "enabled": bool,
+    "loss_scale": (int, float),
+    "initial_scale_power": int,
+    "loss_scale_window": int,
+    "hysteresis": int,
+    "min_loss_scale": (int, float),
+}
+FP16_DEFAULTS = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 # DeepSpeed sections that are not about precision: accepted, not acted on.
 DEEPSPEED_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler",
-    "zero_optimization", "steps_per_print", "wall_clock_breakdown", "dump_state",
-    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-    "comms_logger", "zero_allow_untested_optimizer", "communication_data_type",
-    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "data_types",
-    "checkpoint", "aio", "compression_training", "elasticity", "autotuning", "amp_scaler",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "optimizer",
+    "scheduler",
+    "zero_optimization",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comms_logger",
+    "zero_allow_untested_optimizer",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "data_types",
+    "checkpoint",
+    "aio",
+    "compression_training",
+    "elasticity",
+    "autotuning",
+    "amp_scaler",
 }
 HONOURED = {"gradient_clipping", "gradient_accumulation_steps"}
 
@@ -76,11 +107,20 @@ class AmpConfig:
 
         s = {**FP16_DEFAULTS, **self.fp16}
         if s["loss_scale"] > 0:  # static: the clamp holds it, overflowing steps still skip
-            return LossScaler(device, init_scale=float(s["loss_scale"]), growth_interval=2**31 - 1,
-                              min_scale=float(s["loss_scale"]), max_scale=float(s["loss_scale"]))
-        return LossScaler(device, init_scale=2.0 ** s["initial_scale_power"],
-                          growth_interval=s["loss_scale_window"], hysteresis=s["hysteresis"],
-                          min_scale=float(s["min_loss_scale"]))
+            return LossScaler(
+                device,
+                init_scale=float(s["loss_scale"]),
+                growth_interval=2**31 - 1,
+                min_scale=float(s["loss_scale"]),
+                max_scale=float(s["loss_scale"]),
+            )
+        return LossScaler(
+            device,
+            init_scale=2.0 ** s["initial_scale_power"],
+            growth_interval=s["loss_scale_window"],
+            hysteresis=s["hysteresis"],
+            min_scale=float(s["min_loss_scale"]),
+        )
 
     def describe(self) -> str:
         return f"config {self.source}" if self.source != "dict" else "config dict"
@@ -97,8 +137,9 @@ def _read(path: str) -> dict:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise AmpConfigError(f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno}, "
-                             f"column {e.colno}") from None
+        raise AmpConfigError(
+            f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        ) from None
 
 
 def _section(config: dict, name: str) -> dict | None:
@@ -106,19 +147,22 @@ def _section(config: dict, name: str) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise AmpConfigError(f"config {name!r} must be an object like {{\"enabled\": true}}, got {value!r}")
+        raise AmpConfigError(f'config {name!r} must be an object like {{"enabled": true}}, got {value!r}')
     return value
 
 
 def _parse(config: dict, source: str) -> AmpConfig:
     unknown = sorted(set(config) - {"bf16", "fp16", "amp"} - DEEPSPEED_KEYS - HONOURED)
     if unknown:
-        raise AmpConfigError(f"config has unknown key(s) {unknown}; precision keys are 'bf16', "
-                             f"'fp16', 'amp', 'gradient_clipping', 'gradient_accumulation_steps'")
+        raise AmpConfigError(
+            f"config has unknown key(s) {unknown}; precision keys are 'bf16', "
+            f"'fp16', 'amp', 'gradient_clipping', 'gradient_accumulation_steps'"
+        )
     bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
     if bf16 is not None and set(bf16) - {"enabled"}:
-        raise AmpConfigError(f"config 'bf16' has unknown key(s) {sorted(set(bf16) - {'enabled'})}; "
-                             "it takes only 'enabled'")
+        raise AmpConfigError(
+            f"config 'bf16' has unknown key(s) {sorted(set(bf16) - {'enabled'})}; it takes only 'enabled'"
+        )
     for name, section in (("bf16", bf16), ("fp16", fp16)):
         if section is not None and "enabled" in section and not isinstance(section["enabled"], bool):
             raise AmpConfigError(f"config '{name}.enabled' must be true or false, got {section['enabled']!r}")
@@ -149,8 +193,14 @@ def _parse(config: dict, source: str) -> AmpConfig:
     accum = config.get("gradient_accumulation_steps")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
         raise AmpConfigError(f"config 'gradient_accumulation_steps' must be an int >= 1, got {accum!r}")
-    return AmpConfig(dtype, {k: v for k, v in (fp16 or {}).items() if k != "enabled"}, options,
-                     float(clip) if clip else None, accum, source)
+    return AmpConfig(
+        dtype,
+        {k: v for k, v in (fp16 or {}).items() if k != "enabled"},
+        options,
+        float(clip) if clip else None,
+        accum,
+        source,
+    )
 
 
 def _check_fp16(fp16: dict) -> None:
@@ -160,9 +210,13 @@ def _check_fp16(fp16: dict) -> None:
         value = fp16[key]
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise AmpConfigError(f"config 'fp16.{key}' has the wrong type: {value!r}")
-    rules = {"loss_scale": lambda v: v >= 0, "initial_scale_power": lambda v: 0 <= v <= 64,
-             "loss_scale_window": lambda v: v >= 1, "hysteresis": lambda v: v >= 1,
-             "min_loss_scale": lambda v: v > 0}
+    rules = {
+        "loss_scale": lambda v: v >= 0,
+        "initial_scale_power": lambda v: 0 <= v <= 64,
+        "loss_scale_window": lambda v: v >= 1,
+        "hysteresis": lambda v: v >= 1,
+        "min_loss_scale": lambda v: v > 0,
+    }
     for key, ok in rules.items():
         if key in fp16 and not ok(fp16[key]):
             raise AmpConfigError(f"config 'fp16.{key}' = {fp16[key]!r} is out of range")
@@ -171,8 +225,7 @@ def _check_fp16(fp16: dict) -> None:
 def merge(explicit: Any, from_config: Any, name: str, default: Any = None) -> Any:
     """An argument given both directly and by the config: they must agree."""
     if explicit is not None and from_config is not None and explicit != from_config:
-        raise AmpConfigError(f"{name}={explicit!r} given, but the config says {from_config!r}; "
-                             "set it in one place")
+        raise AmpConfigError(f"{name}={explicit!r} given, but the config says {from_config!r}; set it in one place")
     if explicit is not None:
         return explicit
     return from_config if from_config is not None else default

@@ -34,14 +34,18 @@ class Coverage:
         """After a training step: why the model ran as written in FP32
         (no graph compiled, or none that takes trainable parameters), else None."""
         if self.graphs == 0:
-            return ("amp: the first step compiled no graph, so the model ran as written in FP32 "
-                    "(Dynamo could not see inside it). Compile the modules it cannot see into "
-                    "yourself, or report the model; amp will not train it in FP32 in silence.")
+            return (
+                "amp: the first step compiled no graph, so the model ran as written in FP32 "
+                "(Dynamo could not see inside it). Compile the modules it cannot see into "
+                "yourself, or report the model; amp will not train it in FP32 in silence."
+            )
         if self.with_parameters == 0:
-            return ("amp: the first step compiled no graph that uses the model's parameters: only "
-                    "the loss was compiled and the model ran as written in FP32 (Dynamo gave up on "
-                    "its forward; TORCH_LOGS=graph_breaks shows where). Remove what breaks the "
-                    "graph, or report the model; amp will not train it in FP32 in silence.")
+            return (
+                "amp: the first step compiled no graph that uses the model's parameters: only "
+                "the loss was compiled and the model ran as written in FP32 (Dynamo gave up on "
+                "its forward; TORCH_LOGS=graph_breaks shows where). Remove what breaks the "
+                "graph, or report the model; amp will not train it in FP32 in silence."
+            )
         return None
 
     def parameters_outside(self, model: torch.nn.Module, used: set[int] | None = None) -> list[str]:
@@ -50,9 +54,11 @@ class Coverage:
         inside a loop, runs the whole frame eagerly). ``used``: ids of the parameters the
         step used (those with a gradient after backward); the others are left out, since a
         parameter the forward never touches is in no graph either."""
-        return [name for name, p in model.named_parameters()
-                if p.requires_grad and id(p) not in self.parameter_ids
-                and (used is None or id(p) in used)]
+        return [
+            name
+            for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in self.parameter_ids and (used is None or id(p) in used)
+        ]
 
     def parameters_outside_warning(self, model: torch.nn.Module, used: set[int] | None = None) -> str | None:
         """After a training step: which trainable parameters ran outside every compiled graph,
@@ -67,18 +73,19 @@ class Coverage:
             return None
         total = sum(p.requires_grad for p in model.parameters())
         shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
-        return (f"amp: {len(outside)} of {total} trainable parameters were taken by no compiled "
-                f"graph ({shown}): the code that uses them ran as written, in FP32, after a graph "
-                "break (one inside a loop, such as a data-dependent torch.where per expert, makes "
-                "Dynamo run the whole function eagerly; so do modules it does not trace, such as "
-                "nn.LSTM). Their gradients are right but get no 16-bit speed-up; "
-                "TORCH_LOGS=graph_breaks shows where.")
+        return (
+            f"amp: {len(outside)} of {total} trainable parameters were taken by no compiled "
+            f"graph ({shown}): the code that uses them ran as written, in FP32, after a graph "
+            "break (one inside a loop, such as a data-dependent torch.where per expert, makes "
+            "Dynamo run the whole function eagerly; so do modules it does not trace, such as "
+            "nn.LSTM). Their gradients are right but get no 16-bit speed-up; "
+            "TORCH_LOGS=graph_breaks shows where."
+        )
 
     def warn_parameters_outside(self, model: torch.nn.Module) -> None:
         """After the first backward: log ``parameters_outside_warning`` for the parameters
         the step used (those with a gradient), if any ran outside every graph."""
-        said = self.parameters_outside_warning(
-            model, {id(p) for p in model.parameters() if p.grad is not None})
+        said = self.parameters_outside_warning(model, {id(p) for p in model.parameters() if p.grad is not None})
         if said:
             log.warning(said)
 
@@ -92,5 +99,4 @@ def _parameters(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list
     (install_free_tensors) holds them on the graph. A graph of only a loss on an output
     computed eagerly has none."""
     held = tensor_attributes(gm).values()
-    return [x for x in (*example_inputs, *held)
-            if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
+    return [x for x in (*example_inputs, *held) if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]

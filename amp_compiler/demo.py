@@ -22,8 +22,7 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
 
@@ -63,8 +62,17 @@ class RunResult:
     seconds_per_step: float
 
 
-def run_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor", batch_size: int = 8,
-             seq: int = 128, vocab: int = 64, d: int = 384, seed: int = 0, progress=None) -> dict:
+def run_demo(
+    steps: int = 100,
+    dtype: str = "auto",
+    inner: str = "inductor",
+    batch_size: int = 8,
+    seq: int = 128,
+    vocab: int = 64,
+    d: int = 384,
+    seed: int = 0,
+    progress=None,
+) -> dict:
     """Train the same initial model with FP32 and with the amp training step; return both."""
     from .train import make_train_step
 
@@ -82,8 +90,14 @@ def run_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor", bat
         fp32_opt.step()
         return loss.detach(), acc
 
-    step = make_train_step(amp_model, torch.optim.AdamW(amp_model.parameters(), lr=3e-3),
-                           lambda out: out[0], dtype=dtype, compile_options={"inner": inner})
+    step = make_train_step(
+        amp_model,
+        torch.optim.AdamW(amp_model.parameters(), lr=3e-3),
+        lambda out: out[0],
+        dtype=dtype,
+        compile_options={"inner": inner},
+    )
+
     def amp_step(ids, targets):
         return step((ids, targets)).loss, None
 
@@ -106,11 +120,16 @@ def run_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor", bat
         with torch.no_grad():
             _, acc = m(ids, targets)
         results.append(RunResult(name, float(loss), acc.item(), seconds / max(steps - 2, 1)))
-    return {"results": results, "plan": step.backend.plan(), "inner": inner, "dtype": step.dtype,
-            "dtype_reason": step.dtype_reason,
-            "speedup": results[0].seconds_per_step / results[1].seconds_per_step,
-            "params_fp32": all(p.dtype == torch.float32 for p in amp_model.parameters()),
-            "skipped_steps": step.skipped_steps}
+    return {
+        "results": results,
+        "plan": step.backend.plan(),
+        "inner": inner,
+        "dtype": step.dtype,
+        "dtype_reason": step.dtype_reason,
+        "speedup": results[0].seconds_per_step / results[1].seconds_per_step,
+        "params_fp32": all(p.dtype == torch.float32 for p in amp_model.parameters()),
+        "skipped_steps": step.skipped_steps,
+    }
 
 
 def print_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor") -> dict:
@@ -124,10 +143,17 @@ def print_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor") -
     console = Console()
     choice, reason = resolve_dtype(dtype, torch.device("cpu"))
     console.print(f"Precision: {choice} ({reason})")
-    console.print(f"Training a small transformer for {steps} steps: FP32 vs amp ({choice}), "
-                  f"inner compiler {inner} (the first steps include compilation)")
-    columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
+    console.print(
+        f"Training a small transformer for {steps} steps: FP32 vs amp ({choice}), "
+        f"inner compiler {inner} (the first steps include compilation)"
+    )
+    columns = (
+        TextColumn("{task.description:<9}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as bar:
         tasks = {}
 
@@ -142,6 +168,8 @@ def print_demo(steps: int = 100, dtype: str = "auto", inner: str = "inductor") -
     for r in out["results"]:
         table.add_row(r.name, f"{r.loss:.4f}", f"{r.accuracy:.3f}", f"{r.seconds_per_step * 1e3:.1f}")
     console.print(table)
-    console.print(f"amp speed vs FP32: {out['speedup']:.2f}x (same process, steps taking turns); "
-                  f"parameters FP32: {out['params_fp32']}; skipped steps: {out['skipped_steps']}")
+    console.print(
+        f"amp speed vs FP32: {out['speedup']:.2f}x (same process, steps taking turns); "
+        f"parameters FP32: {out['params_fp32']}; skipped steps: {out['skipped_steps']}"
+    )
     return out

@@ -38,8 +38,9 @@ def native_dtypes(device: torch.device) -> tuple[frozenset[str], str]:
             return frozenset({"fp16"}), f"{name} has FP16 tensor cores, no BF16 (needs sm_80+)"
         return frozenset(), f"{name} has no 16-bit tensor cores"
     if device.type == "cpu":
-        return cpu_native(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                          torch.ops.mkldnn._is_mkldnn_fp16_supported(), _cpu_flags())
+        return cpu_native(
+            torch.ops.mkldnn._is_mkldnn_bf16_supported(), torch.ops.mkldnn._is_mkldnn_fp16_supported(), _cpu_flags()
+        )
     if device.type == "mps":
         return frozenset({"bf16", "fp16"}), "Apple GPU"
     return frozenset(), f"no 16-bit capability probe for device type {device.type!r}"
@@ -61,8 +62,7 @@ def cpu_native(onednn_bf16: bool, onednn_fp16: bool, flags: dict | None) -> tupl
     if fp16:
         return found, "CPU with native FP16, no native BF16 (oneDNN)"
     if onednn_bf16:
-        return found, ("CPU with AVX-512 but no BF16 instructions (oneDNN emulates BF16 there, "
-                       "slower than FP32)")
+        return found, ("CPU with AVX-512 but no BF16 instructions (oneDNN emulates BF16 there, slower than FP32)")
     return found, "CPU without native BF16 or FP16 (oneDNN emulates them)"
 
 
@@ -94,12 +94,19 @@ def resolve_dtype(requested: str, device: torch.device, *, loss_scaling: bool = 
     elif "fp16" in native and loss_scaling:
         choice, reason = "fp16", f"auto: {about}; FP16 with dynamic loss scaling"
     elif "fp16" in native:
-        choice, reason = "fp32", (f"auto: {about}; FP32, since FP16 needs loss scaling, which the "
-                                  "backend alone does not apply (make_train_step does; or pass "
-                                  "dtype='fp16' and use torch.amp.GradScaler)")
+        choice, reason = (
+            "fp32",
+            (
+                f"auto: {about}; FP32, since FP16 needs loss scaling, which the "
+                "backend alone does not apply (make_train_step does; or pass "
+                "dtype='fp16' and use torch.amp.GradScaler)"
+            ),
+        )
     else:
-        choice, reason = "fp32", (f"auto: {about}; FP32, since 16 bit would run slower "
-                                  "(the plan is still recorded, not applied)")
+        choice, reason = (
+            "fp32",
+            (f"auto: {about}; FP32, since 16 bit would run slower (the plan is still recorded, not applied)"),
+        )
     log.info("amp dtype on %s: %s (%s)", device, choice, reason)
     return choice, reason
 
@@ -111,8 +118,13 @@ def _warn_emulated(dtype: str, device: torch.device, about: str) -> None:
     _warned.add(key)
     factor = slowdown(dtype, device)
     measured = f"a 256x256 matmul ran {factor:.0f}x slower than in FP32 here" if factor else "not measured"
-    log.warning("amp: dtype=%r on %s: %s runs emulated (%s). Running as asked; dtype='auto' "
-                "would choose FP32 on this device.", dtype, device, dtype.upper(), measured)
+    log.warning(
+        "amp: dtype=%r on %s: %s runs emulated (%s). Running as asked; dtype='auto' would choose FP32 on this device.",
+        dtype,
+        device,
+        dtype.upper(),
+        measured,
+    )
 
 
 def slowdown(dtype: str, device: torch.device, n: int = 256, reps: int = 5) -> float | None:

@@ -46,15 +46,17 @@ def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tupl
             ranks = ", ".join(f"rank {i}: {c}" for i, (c, _, _) in enumerate(choices))
             raise PrecisionMismatchError(
                 f"ranks were given different dtypes ({ranks}); every rank must train in one "
-                "precision: pass the same dtype everywhere, or dtype='auto' to agree automatically")
+                "precision: pass the same dtype everywhere, or dtype='auto' to agree automatically"
+            )
         return choice, reason
     # the weakest device decides: FP32 if any rank lacks fast 16 bit, else FP16 if any lacks BF16
-    for weaker, lacks, then in (("fp32", "fast 16-bit", "FP32"),
-                                ("fp16", "BF16", "FP16 with loss scaling")):
+    for weaker, lacks, then in (("fp32", "fast 16-bit", "FP32"), ("fp16", "BF16", "FP16 with loss scaling")):
         if any(c == weaker for c, _, _ in choices):
             first = next(i for i, (c, _, _) in enumerate(choices) if c == weaker)
-            return weaker, (f"auto, agreed across {len(choices)} ranks: rank {first} has no {lacks} "
-                            f"({choices[first][2]}); every rank uses {then}")
+            return weaker, (
+                f"auto, agreed across {len(choices)} ranks: rank {first} has no {lacks} "
+                f"({choices[first][2]}); every rank uses {then}"
+            )
     return choice, f"{reason}; agreed across {len(choices)} ranks"
 
 
@@ -104,8 +106,11 @@ def install_comm_hook(ddp_model, dtype: str) -> CommStats:
 
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"ddp_comm_dtype needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook,
-             "fp32": default_hooks.allreduce_hook}
+    hooks = {
+        "bf16": default_hooks.bf16_compress_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "fp32": default_hooks.allreduce_hook,
+    }
     if dtype not in hooks:
         raise ValueError(f"ddp_comm_dtype={dtype!r}: use one of {sorted(hooks)}")
     stats, inner, width = CommStats(dtype), hooks[dtype], 4 if dtype == "fp32" else 2

@@ -34,9 +34,15 @@ def _pin_for(n: NodeError) -> str:
     return "^" + re.escape(n.module) + "$"
 
 
-def diagnose(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-             dtypes: tuple[str, ...] = ("bf16", "fp16"), error_threshold: float = 0.05,
-             options: dict | None = None, max_rounds: int = 4) -> Diagnosis:
+def diagnose(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    dtypes: tuple[str, ...] = ("bf16", "fp16"),
+    error_threshold: float = 0.05,
+    options: dict | None = None,
+    max_rounds: int = 4,
+) -> Diagnosis:
     """Run every dtype; pin the culprits' modules and re-run until no Inf/NaN is left
     (at most ``max_rounds`` rounds of pins)."""
     kwargs = kwargs or {}
@@ -77,8 +83,10 @@ def format_diagnosis(d: Diagnosis, top: int = 5) -> str:
         lines += [f"    {_fmt(n)}" for n in run.worst(top)]
         bad = run.first_nonfinite
         lines.append(f"  first Inf/NaN: {_fmt(bad) if bad else 'none'}")
-    lines.append("first output beyond FP16 range (|x| > 65504): "
-                 + (_fmt(d.first_out_of_fp16_range) if d.first_out_of_fp16_range else "none"))
+    lines.append(
+        "first output beyond FP16 range (|x| > 65504): "
+        + (_fmt(d.first_out_of_fp16_range) if d.first_out_of_fp16_range else "none")
+    )
     if not d.pins:
         lines.append("no pins needed: no Inf/NaN, nothing out of FP16 range, errors within tolerance")
         return "\n".join(lines)
@@ -87,8 +95,9 @@ def format_diagnosis(d: Diagnosis, top: int = 5) -> str:
         before = d.runs[dtype]
         fixed = before.first_nonfinite is not None and run.first_nonfinite is None
         state = "fixed" if fixed else ("still Inf/NaN" if run.first_nonfinite else "no Inf/NaN")
-        lines.append(f"  re-run [{dtype}] with pins: {state}; max rel error "
-                     f"{before.max_error:.2e} -> {run.max_error:.2e}")
+        lines.append(
+            f"  re-run [{dtype}] with pins: {state}; max rel error {before.max_error:.2e} -> {run.max_error:.2e}"
+        )
     return "\n".join(lines)
 
 
@@ -96,11 +105,15 @@ def diagnosis_to_dict(d: Diagnosis) -> dict[str, Any]:
     from dataclasses import asdict
 
     def run(r: DoctorRun):
-        return {"worst": [asdict(n) for n in r.worst()],
-                "first_nonfinite": asdict(r.first_nonfinite) if r.first_nonfinite else None,
-                "max_error": r.max_error}
+        return {
+            "worst": [asdict(n) for n in r.worst()],
+            "first_nonfinite": asdict(r.first_nonfinite) if r.first_nonfinite else None,
+            "max_error": r.max_error,
+        }
 
-    return {"runs": {k: run(v) for k, v in d.runs.items()},
-            "first_out_of_fp16_range": (asdict(d.first_out_of_fp16_range)
-                                        if d.first_out_of_fp16_range else None),
-            "pins": d.pins, "pinned_runs": {k: run(v) for k, v in d.pinned_runs.items()}}
+    return {
+        "runs": {k: run(v) for k, v in d.runs.items()},
+        "first_out_of_fp16_range": (asdict(d.first_out_of_fp16_range) if d.first_out_of_fp16_range else None),
+        "pins": d.pins,
+        "pinned_runs": {k: run(v) for k, v in d.pinned_runs.items()},
+    }

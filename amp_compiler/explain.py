@@ -14,8 +14,14 @@ def _as_is(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     return gm.forward
 
 
-def trace(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16", options: dict | None = None,
-          backend: Any = None, **kwargs: Any) -> Any:
+def trace(
+    model: torch.nn.Module | Any,
+    *args: Any,
+    dtype: str = "bf16",
+    options: dict | None = None,
+    backend: Any = None,
+    **kwargs: Any,
+) -> Any:
     """Run ``model(*args, **kwargs)`` once through ``backend`` (default: an amp backend that
     executes the rewritten graphs as they are); return the backend, with its records.
 
@@ -38,8 +44,9 @@ def trace(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16", options
     return backend
 
 
-def explain(model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16",
-            options: dict | None = None, **kwargs: Any) -> PrecisionPlan:
+def explain(
+    model: torch.nn.Module | Any, *args: Any, dtype: str = "bf16", options: dict | None = None, **kwargs: Any
+) -> PrecisionPlan:
     """The precision plan of ``model(*args, **kwargs)``: ``trace`` it and merge the plans
     of every graph (graph breaks are followed). Changes nothing in the model."""
     return trace(model, *args, dtype=dtype, options=options, **kwargs).plan()

@@ -33,9 +33,21 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(b, t, heads, d // heads).transpose(1, 2)
 
 
-def native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias,
-                                proj_weight, proj_bias, mask=None, need_weights=True,
-                                average_attn_weights=True, mask_type=None):
+def native_multi_head_attention(
+    query,
+    key,
+    value,
+    embed_dim,
+    num_head,
+    qkv_weight,
+    qkv_bias,
+    proj_weight,
+    proj_bias,
+    mask=None,
+    need_weights=True,
+    average_attn_weights=True,
+    mask_type=None,
+):
     if query.is_nested or key.is_nested or value.is_nested or query.dim() != 3:
         return NotImplemented
     wq, wk, wv = qkv_weight.chunk(3)
@@ -55,10 +67,28 @@ def native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weig
     return out, (weights.mean(1) if average_attn_weights else weights)
 
 
-def transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
-                                  proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
-                                  norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2,
-                                  ffn_bias_2, mask=None, mask_type=None):
+def transformer_encoder_layer_fwd(
+    src,
+    embed_dim,
+    num_heads,
+    qkv_weight,
+    qkv_bias,
+    proj_weight,
+    proj_bias,
+    use_gelu,
+    norm_first,
+    eps,
+    norm_weight_1,
+    norm_bias_1,
+    norm_weight_2,
+    norm_bias_2,
+    ffn_weight_1,
+    ffn_bias_1,
+    ffn_weight_2,
+    ffn_bias_2,
+    mask=None,
+    mask_type=None,
+):
     if src.is_nested or src.dim() != 3:
         return NotImplemented
 
@@ -69,8 +99,12 @@ def transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bia
         return F.layer_norm(x, (embed_dim,), norm_weight_2, norm_bias_2, eps)
 
     x = norm1(src) if norm_first else src
-    x = native_multi_head_attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
-                                    proj_bias, mask, False, True, mask_type)[0] + src
+    x = (
+        native_multi_head_attention(
+            x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, False, True, mask_type
+        )[0]
+        + src
+    )
     if not norm_first:
         x = norm1(x)
     residual = x

@@ -39,16 +39,19 @@ _hop = torch.ops.higher_order
 # name -> (treatment, the reason the plan shows)
 _TABLE = {
     "wrap": (HopKind.INLINE, "wrapper with no semantics: traced through"),
-    "invoke_subgraph": (HopKind.INLINE, "nested compile region: traced through (same program, "
-                                        "the region is no longer compiled once for all calls)"),
+    "invoke_subgraph": (
+        HopKind.INLINE,
+        "nested compile region: traced through (same program, the region is no longer compiled once for all calls)",
+    ),
     "tag_activation_checkpoint": (
         HopKind.REWRITE,
         "activation checkpoint: the body follows the policy (its nodes are listed under it) and "
-        "backward recomputes it in the same precision; FP32 program dtypes at the boundary"),
+        "backward recomputes it in the same precision; FP32 program dtypes at the boundary",
+    ),
     "autograd_function_apply": (
         HopKind.OPAQUE,
-        "custom autograd.Function: forward and hand-written backward run as written, in the FP32 "
-        "program's dtypes"),
+        "custom autograd.Function: forward and hand-written backward run as written, in the FP32 program's dtypes",
+    ),
 }
 
 
@@ -66,8 +69,7 @@ def treatment(target: object, body: object = None) -> tuple[HopKind, str]:
     name = hop_name(target)
     if name in _TABLE:
         return _TABLE[name]
-    return HopKind.OPAQUE, (f"higher-order op {name}: runs as written, in the FP32 program's "
-                            "dtypes (an FP32 region)")
+    return HopKind.OPAQUE, (f"higher-order op {name}: runs as written, in the FP32 program's dtypes (an FP32 region)")
 
 
 def node_treatment(node: torch.fx.Node) -> tuple[HopKind, str]:
@@ -95,8 +97,10 @@ def rewritten_bodies(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Graph
 
 _VMAP_ENTER = "_vmap_increment_nesting"
 _VMAP_EXIT = "_vmap_decrement_nesting"
-_VMAP_REASON = ("vmap region (torch.func.vmap, associative_scan): runs as written, in the FP32 "
-                "program's dtypes (an FP32 region; ATen capture cannot follow batched tensors)")
+_VMAP_REASON = (
+    "vmap region (torch.func.vmap, associative_scan): runs as written, in the FP32 "
+    "program's dtypes (an FP32 region; ATen capture cannot follow batched tensors)"
+)
 
 
 def _vmap_step(node: torch.fx.Node) -> int:

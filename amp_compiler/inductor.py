@@ -27,8 +27,11 @@ def memory_budget_for(gm: torch.fx.GraphModule, asked: float | None) -> float:
     if not any(draws_random(n) for n in gm.graph.nodes):
         return 0.8 if asked is None else asked
     if asked is not None and asked < 1.0:
-        log.warning("memory_budget=%s not applied to a graph with random ops (dropout): "
-                    "recomputing them in backward would draw new masks; using 1.0", asked)
+        log.warning(
+            "memory_budget=%s not applied to a graph with random ops (dropout): "
+            "recomputing them in backward would draw new masks; using 1.0",
+            asked,
+        )
     return 1.0
 
 
@@ -53,21 +56,24 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
         # recomputes comparison masks instead of saving bool tensors (slow C++ code)
         patches["joint_custom_pre_pass"] = [
             InductorPass("amp_compiler.inductor_passes.saved_copies", "reuse_saved_copies"),
-            InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks")]
+            InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks"),
+        ]
         if memory_budget is None:
             # the default budget recomputes activations, not the parameters' 16-bit copies
             from amp_compiler.inductor_passes.weight_copies import WeightCopiesSaved
 
             patches["custom_partitioner_fn"] = WeightCopiesSaved()
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
-        patches["post_grad_custom_pre_pass"] = InductorPass("amp_compiler.inductor_passes.fold_broadcast_bmm",
-                                                            "fold_broadcast_bmm")
+        patches["post_grad_custom_pre_pass"] = InductorPass(
+            "amp_compiler.inductor_passes.fold_broadcast_bmm", "fold_broadcast_bmm"
+        )
         # Under the memory budget the residual stream is recomputed from its 16-bit terms, not
         # saved; with Inductor's threshold (4 reads) each layer then inlines a different number
         # of terms into its LayerNorm, one distinct C++ kernel per layer. Storing a reused value
         # that reads more than 2 buffers makes the layers' kernels identical: compiled once (the
         # first call ~17% shorter on a 4-layer LM, 33 kernels -> 24), step time unchanged.
         patches["realize_reads_threshold"] = REALIZE_READS
+
         def compile_(gm, ex):
             # the device the dtype was resolved for (rewrite); CUDA keeps Triton's random
             cpu = device_of(ex).type == "cpu"

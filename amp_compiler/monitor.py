@@ -37,10 +37,14 @@ from dataclasses import asdict, dataclass
 
 log = logging.getLogger("amp_compiler")
 
-NOT_AMP = ("non-finite gradients persist at the minimum loss scale: the cause is the learning "
-           "rate, the data, or missing gradient clipping (set max_grad_norm), not AMP")
-NOT_AMP_PERSIST = ("non-finite gradients persist across checks: the cause is likely the learning "
-                   "rate, the data, or missing gradient clipping (set max_grad_norm), not AMP")
+NOT_AMP = (
+    "non-finite gradients persist at the minimum loss scale: the cause is the learning "
+    "rate, the data, or missing gradient clipping (set max_grad_norm), not AMP"
+)
+NOT_AMP_PERSIST = (
+    "non-finite gradients persist across checks: the cause is likely the learning "
+    "rate, the data, or missing gradient clipping (set max_grad_norm), not AMP"
+)
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,16 @@ class AlertEvent:
 
 
 class NonFiniteMonitor:
-    def __init__(self, check_every: int = 100, threshold: float = 0.001, *, window: int = 1000,
-                 extra_backoff: float = 0.125, min_scale: float = 1.0,
-                 on_alert: Callable[[AlertEvent], None] | Iterable[Callable] | None = None):
+    def __init__(
+        self,
+        check_every: int = 100,
+        threshold: float = 0.001,
+        *,
+        window: int = 1000,
+        extra_backoff: float = 0.125,
+        min_scale: float = 1.0,
+        on_alert: Callable[[AlertEvent], None] | Iterable[Callable] | None = None,
+    ):
         if check_every < 1 or window < check_every:
             raise ValueError(f"need 1 <= check_every ({check_every}) <= window ({window})")
         if not 0 <= threshold < 1:
@@ -94,8 +105,15 @@ class NonFiniteMonitor:
         self.last_alerted = False
         self.alerts: list[AlertEvent] = []
 
-    def observe(self, nonfinite: bool, *, scale_before: float | None = None,
-                scale_after: float | None = None, scaler=None, dtype: str = "fp16") -> AlertEvent | None:
+    def observe(
+        self,
+        nonfinite: bool,
+        *,
+        scale_before: float | None = None,
+        scale_after: float | None = None,
+        scaler=None,
+        dtype: str = "fp16",
+    ) -> AlertEvent | None:
         """Record one optimizer step; every ``check_every`` steps, check and maybe act."""
         self.steps += 1
         self.raw_nonfinite += nonfinite
@@ -146,8 +164,7 @@ class NonFiniteMonitor:
         if dtype == "bf16" and not advice:
             advice = "BF16 has FP32's range: check the learning rate, the data, or gradient clipping"
         message = f"step {self.steps}: {what}; {action}" + (f". {advice}" if advice else "")
-        event = AlertEvent(self.steps, ratio, sum(self.history), self.window, before, after, dtype,
-                           persistent, message)
+        event = AlertEvent(self.steps, ratio, sum(self.history), self.window, before, after, dtype, persistent, message)
         # The history (state_dict) keeps the monitor's own decision; the explanation (which
         # node, which pin) depends on the batch at hand and goes to the log and callbacks.
         self.alerts.append(event)
@@ -164,11 +181,17 @@ class NonFiniteMonitor:
         return event
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "history": list(self.history), "raw_nonfinite": self.raw_nonfinite,
-                "seen_finite": self.seen_finite, "opening_streak": self.opening_streak,
-                "grew": self.grew, "opening_allowance": self.opening_allowance,
-                "last_alerted": self.last_alerted,
-                "alerts": [a.to_dict() for a in self.alerts]}
+        return {
+            "steps": self.steps,
+            "history": list(self.history),
+            "raw_nonfinite": self.raw_nonfinite,
+            "seen_finite": self.seen_finite,
+            "opening_streak": self.opening_streak,
+            "grew": self.grew,
+            "opening_allowance": self.opening_allowance,
+            "last_alerted": self.last_alerted,
+            "alerts": [a.to_dict() for a in self.alerts],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.reset()

@@ -88,20 +88,43 @@ class FusedUpdate:
         torch._foreach_add_(steps, 1)
         kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
         beta1, beta2 = group["betas"]
-        kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-               [s["exp_avg_sq"] for s in states], [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-               maximize=group["maximize"], grad_scale=grad_scale, found_inf=found)
+        kernel(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=group["maximize"],
+            grad_scale=grad_scale,
+            found_inf=found,
+        )
         torch._foreach_sub_(steps, [found] * len(steps))  # a skipped step does not count
 
     @staticmethod
     def _sgd(group, params, states, grad_scale, found) -> None:
         # a zero momentum buffer gives the first step's buf = grad, as step() does (no dampening)
         bufs = [s["momentum_buffer"] for s in states] if group["momentum"] else []
-        torch._fused_sgd_(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
-                          momentum=group["momentum"], lr=group["lr"], dampening=0.0,
-                          nesterov=group["nesterov"], maximize=group["maximize"], is_first_step=False,
-                          grad_scale=grad_scale, found_inf=found)
+        torch._fused_sgd_(
+            params,
+            [p.grad for p in params],
+            bufs,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=0.0,
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            is_first_step=False,
+            grad_scale=grad_scale,
+            found_inf=found,
+        )
 
     def _state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.optimizer.state[p]

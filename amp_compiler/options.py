@@ -17,9 +17,16 @@ DTYPES = ("bf16", "fp16", "fp32", "auto")
 INNER_NAMES = ("inductor", "aot_eager", "eager")
 ATTENTION = ("auto", "fused", "explicit")
 _DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
-    "fp32": "fp32", "float32": "fp32", torch.float32: "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    torch.bfloat16: "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    torch.float16: "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    torch.float32: "fp32",
     "auto": "auto",
 }
 
@@ -113,11 +120,8 @@ class AmpOptions:
                         "(gm, example_inputs) -> callable"
                     )
         elif not callable(self.inner):
-            raise AmpOptionsError(
-                f"inner={self.inner!r} must be a backend name {INNER_NAMES} or a callable"
-            )
-        for name in ("low_ops", "fp32_ops", "promote_ops", "passthrough_ops", "remove_ops",
-                     "fp32_modules"):
+            raise AmpOptionsError(f"inner={self.inner!r} must be a backend name {INNER_NAMES} or a callable")
+        for name in ("low_ops", "fp32_ops", "promote_ops", "passthrough_ops", "remove_ops", "fp32_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not _iterable(value):
                 value = (value,)
@@ -135,12 +139,16 @@ class AmpOptions:
         budget = self.memory_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-                raise AmpOptionsError(f"memory_budget must be a number in (0, 1] (1.0: save what "
-                                      f"the fastest partition saves) or None, got {budget!r}")
+                raise AmpOptionsError(
+                    f"memory_budget must be a number in (0, 1] (1.0: save what "
+                    f"the fastest partition saves) or None, got {budget!r}"
+                )
             object.__setattr__(self, "memory_budget", float(budget))
         if self.attention not in ATTENTION:
-            raise AmpOptionsError(f"attention={self.attention!r} is not valid; use one of {ATTENTION} "
-                                  "(auto: written out where measured faster)")
+            raise AmpOptionsError(
+                f"attention={self.attention!r} is not valid; use one of {ATTENTION} "
+                "(auto: written out where measured faster)"
+            )
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # fail now, not at the first compile
@@ -152,8 +160,11 @@ class AmpOptions:
     def policy(self, low_dtype: torch.dtype) -> Policy:
         if low_dtype not in self.policy_cache:
             self.policy_cache[low_dtype] = Policy.build(
-                low_dtype, low_ops=self.low_ops, fp32_ops=self.fp32_ops,
-                promote_ops=self.promote_ops, passthrough_ops=self.passthrough_ops,
+                low_dtype,
+                low_ops=self.low_ops,
+                fp32_ops=self.fp32_ops,
+                promote_ops=self.promote_ops,
+                passthrough_ops=self.passthrough_ops,
                 remove_ops=self.remove_ops,
             )
         return self.policy_cache[low_dtype]
@@ -168,9 +179,7 @@ class AmpOptions:
         merged = {**(options or {}), **kwargs}
         unknown = sorted(set(merged) - set(cls.names()))
         if unknown:
-            raise AmpOptionsError(
-                f"unknown option(s) {unknown}; valid options are {cls.names()}"
-            )
+            raise AmpOptionsError(f"unknown option(s) {unknown}; valid options are {cls.names()}")
         return cls._build(merged)
 
     @classmethod
@@ -184,8 +193,11 @@ class AmpOptions:
         """The options the caller set, by name (a policy file's are not among them)."""
         if self.given is not None:
             return {n: getattr(self, n) for n in self.given}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in _HIDDEN and getattr(self, f.name) != _default(f)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _HIDDEN and getattr(self, f.name) != _default(f)
+        }
 
     def replace(self, **changes: Any) -> AmpOptions:
         """These options with ``changes`` on top. A policy file (kept or newly given) fills

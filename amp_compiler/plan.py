@@ -90,18 +90,35 @@ class GraphPlan:
                 continue
             if i.inserted:
                 users = [prefix + u.name for u in node.users]
-                self.casts.append(CastPlan(self.index, prefix + node.name, prefix + node.args[0].name,
-                                           dtype_name(node.kwargs["dtype"]),
-                                           ", ".join(users), _nbytes(node)))
+                self.casts.append(
+                    CastPlan(
+                        self.index,
+                        prefix + node.name,
+                        prefix + node.args[0].name,
+                        dtype_name(node.kwargs["dtype"]),
+                        ", ".join(users),
+                        _nbytes(node),
+                    )
+                )
                 continue
             if not (isinstance(node.target, torch._ops.OpOverload) or is_hop(node)):
                 continue
             if i.unknown:
                 unknown[i.op] += 1
             compute = i.compute if i.compute is not None else _arriving(node)
-            self.nodes.append(NodePlan(self.index, prefix + node.name, i.op, i.module,
-                                       i.precision.value, i.reason, dtype_name(compute),
-                                       dtype_name(i.planned), tuple(i.casts)))
+            self.nodes.append(
+                NodePlan(
+                    self.index,
+                    prefix + node.name,
+                    i.op,
+                    i.module,
+                    i.precision.value,
+                    i.reason,
+                    dtype_name(compute),
+                    dtype_name(i.planned),
+                    tuple(i.casts),
+                )
+            )
         for name, body in rewritten_bodies(gm):
             self._add(body, f"{prefix}{name}.", unknown)
 
@@ -137,8 +154,13 @@ def _summary(graphs: list[GraphPlan]) -> dict:
         casts += len(g.casts)
         for c in g.casts:
             cast_bytes = None if cast_bytes is None or c.bytes is None else cast_bytes + c.bytes
-    return {"graphs": len(graphs), "nodes": dict(nodes), "casts": casts,
-            "cast_bytes": cast_bytes, "unknown_ops": dict(unknown)}
+    return {
+        "graphs": len(graphs),
+        "nodes": dict(nodes),
+        "casts": casts,
+        "cast_bytes": cast_bytes,
+        "unknown_ops": dict(unknown),
+    }
 
 
 @dataclass
@@ -171,11 +193,21 @@ class PrecisionPlan:
             "schema": SCHEMA,
             "dtype": self.dtype,
             "nodes": [asdict(n) | {"casts": list(n.casts)} for n in self.nodes],
-            "casts": [{"graph": c.graph, "name": c.name, "source": c.source, "to": c.to,
-                       "for": c.consumer, "bytes": c.bytes} for c in self.casts],
+            "casts": [
+                {"graph": c.graph, "name": c.name, "source": c.source, "to": c.to, "for": c.consumer, "bytes": c.bytes}
+                for c in self.casts
+            ],
             "summary": self.summary(),
-            "graphs": [{"index": g.index, "dtype": g.dtype, "dtype_reason": g.dtype_reason,
-                        "applied": g.applied, "summary": g.summary()} for g in self.graphs],
+            "graphs": [
+                {
+                    "index": g.index,
+                    "dtype": g.dtype,
+                    "dtype_reason": g.dtype_reason,
+                    "applied": g.applied,
+                    "summary": g.summary(),
+                }
+                for g in self.graphs
+            ],
         }
 
     def format_summary(self) -> str:
@@ -186,18 +218,31 @@ class PrecisionPlan:
         unknown = f"; unknown ops: {s['unknown_ops']}" if s["unknown_ops"] else ""
         mb = "" if s["cast_bytes"] is None else f" ({s['cast_bytes'] / 2**20:.2f} MiB)"
         if self.graphs and not any(g.applied for g in self.graphs):
-            return (f"{self.graphs[0].dtype}: {total} ops in {s['graphs']} graph(s) run as "
-                    f"written; the BF16 plan would have been {parts}, {s['casts']} casts{mb}{unknown} "
-                    f"({self.graphs[0].dtype_reason})")
-        return (f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; "
-                f"{s['casts']} casts inserted{mb}{unknown}")
+            return (
+                f"{self.graphs[0].dtype}: {total} ops in {s['graphs']} graph(s) run as "
+                f"written; the BF16 plan would have been {parts}, {s['casts']} casts{mb}{unknown} "
+                f"({self.graphs[0].dtype_reason})"
+            )
+        return f"{self.dtype}: {total} ops in {s['graphs']} graph(s): {parts}; {s['casts']} casts inserted{mb}{unknown}"
 
     def format_table(self, keep=None) -> str:
         """Every node (or those ``keep(node)`` accepts) in one row each."""
         rows = [("graph", "node", "op", "module", "precision", "computes", "out", "casts", "reason")]
-        rows += [(str(n.graph), n.name, n.op, n.module or "-", n.precision, n.compute_dtype,
-                  n.dtype, ",".join(n.casts) or "-", n.reason) for n in self.nodes
-                 if keep is None or keep(n)]
+        rows += [
+            (
+                str(n.graph),
+                n.name,
+                n.op,
+                n.module or "-",
+                n.precision,
+                n.compute_dtype,
+                n.dtype,
+                ",".join(n.casts) or "-",
+                n.reason,
+            )
+            for n in self.nodes
+            if keep is None or keep(n)
+        ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
         return "\n".join(lines + ["", self.format_summary()])

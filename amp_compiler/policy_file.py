@@ -56,29 +56,34 @@ class PolicyFile:
         except OSError as e:
             raise PolicyFileError(f"{where} cannot be read: {e.strerror}") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise PolicyFileError(f"{where} is not an amp policy file (no \"format\": \"{FORMAT}\")")
+            raise PolicyFileError(f'{where} is not an amp policy file (no "format": "{FORMAT}")')
         if data.get("version") != VERSION:
-            raise PolicyFileError(f"{where} has format version {data.get('version')!r}; this "
-                                  f"amp-compiler reads version {VERSION}: re-run amp-compiler calibrate")
+            raise PolicyFileError(
+                f"{where} has format version {data.get('version')!r}; this "
+                f"amp-compiler reads version {VERSION}: re-run amp-compiler calibrate"
+            )
         pins = data.get("pins", [])
         if not isinstance(pins, list):
-            raise PolicyFileError(f"{where}: \"pins\" must be a list")
+            raise PolicyFileError(f'{where}: "pins" must be a list')
         notes = {}
         for i, pin in enumerate(pins):
-            if not isinstance(pin, dict) or pin.get("option") not in PIN_OPTIONS \
-                    or not isinstance(pin.get("pattern"), str):
-                raise PolicyFileError(f"{where}: pin {i} needs \"option\" (one of {PIN_OPTIONS}) "
-                                      "and a string \"pattern\"")
+            if (
+                not isinstance(pin, dict)
+                or pin.get("option") not in PIN_OPTIONS
+                or not isinstance(pin.get("pattern"), str)
+            ):
+                raise PolicyFileError(f'{where}: pin {i} needs "option" (one of {PIN_OPTIONS}) and a string "pattern"')
             if pin["option"] == "fp32_modules":
                 try:
                     re.compile(pin["pattern"])
                 except re.error as e:
-                    raise PolicyFileError(f"{where}: pin {i} pattern {pin['pattern']!r} is not a "
-                                          f"valid regex: {e}") from None
+                    raise PolicyFileError(
+                        f"{where}: pin {i} pattern {pin['pattern']!r} is not a valid regex: {e}"
+                    ) from None
             notes[pin["pattern"]] = _note(path, pin)
         overrides = data.get("overrides", {})
         if not isinstance(overrides, dict):
-            raise PolicyFileError(f"{where}: \"overrides\" must be an object of backend options")
+            raise PolicyFileError(f'{where}: "overrides" must be an object of backend options')
         prints = data.get("fingerprints", [])
         return cls(path, data.get("dtype"), tuple(pins), overrides, tuple(prints), notes)
 
@@ -119,6 +124,10 @@ def check_fingerprint(policy: PolicyFile, graph_print: str) -> None:
     if any(k[0] == policy.path for k in _warned):
         return
     _warned.add(key)
-    log.warning("amp: policy file %s was calibrated on another graph (fingerprint %s not among "
-                "%s); its pins may still fit after small code edits: re-run calibrate to be sure",
-                policy.path, graph_print, list(policy.fingerprints))
+    log.warning(
+        "amp: policy file %s was calibrated on another graph (fingerprint %s not among "
+        "%s); its pins may still fit after small code edits: re-run calibrate to be sure",
+        policy.path,
+        graph_print,
+        list(policy.fingerprints),
+    )

@@ -11,8 +11,7 @@ from .backend import CompileRecord
 from .meta import dtype_name, info
 from .plan import PrecisionPlan
 
-COLORS = {"LOW": "#9be3b0", "FP32": "#a8c8f8", "PROMOTE": "#ffe08a", "PASSTHROUGH": "#e4e4e4",
-          "CAST": "#ffffff"}
+COLORS = {"LOW": "#9be3b0", "FP32": "#a8c8f8", "PROMOTE": "#ffe08a", "PASSTHROUGH": "#e4e4e4", "CAST": "#ffffff"}
 
 
 def _rows(record: CompileRecord):
@@ -36,15 +35,18 @@ def _q(text: str) -> str:
 
 
 def to_dot(records: Sequence[CompileRecord]) -> str:
-    lines = ["digraph amp {", "  rankdir=TB;",
-             '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];']
+    lines = [
+        "digraph amp {",
+        "  rankdir=TB;",
+        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+    ]
     for rec in records:
         lines.append(f"  subgraph cluster_g{rec.index} {{")
         lines.append(f"    label={_q(f'graph {rec.index} ({rec.dtype})')};")
         for nid, label, kind, _, inputs, _node in _rows(rec):
             attrs = [f"label={_q(chr(10).join(label))}", f"fillcolor={_q(COLORS[kind])}"]
             if kind == "CAST":
-                attrs += ['shape=ellipse', 'style="dashed,filled"', 'color="#e07000"']
+                attrs += ["shape=ellipse", 'style="dashed,filled"', 'color="#e07000"']
             lines.append(f"    {_q(nid)} [{', '.join(attrs)}];")
             lines += [f"    {_q(src)} -> {_q(nid)};" for src in inputs]
         lines.append("  }")
@@ -62,8 +64,7 @@ tr.CAST td{background:#fff7ec;font-style:italic} code{font-size:12px}
 """
 
 
-def to_svg(record: CompileRecord, box_w: int = 170, box_h: int = 34, gap_x: int = 14,
-           gap_y: int = 34) -> str:
+def to_svg(record: CompileRecord, box_w: int = 170, box_h: int = 34, gap_x: int = 14, gap_y: int = 34) -> str:
     """The graph drawn in layers, coloured by precision.
 
     Layers are networkx topological generations of the reversed graph (each node
@@ -76,22 +77,31 @@ def to_svg(record: CompileRecord, box_w: int = 170, box_h: int = 34, gap_x: int 
     g.add_nodes_from(rows)
     g.add_edges_from((src, nid) for nid, (_, _, inputs) in rows.items() for src in inputs if src in rows)
     layers = list(nx.topological_generations(g.reverse(copy=False)))[::-1]
-    pos = {nid: (12 + i * (box_w + gap_x), 12 + depth * (box_h + gap_y))
-           for depth, layer in enumerate(layers) for i, nid in enumerate(layer)}
+    pos = {
+        nid: (12 + i * (box_w + gap_x), 12 + depth * (box_h + gap_y))
+        for depth, layer in enumerate(layers)
+        for i, nid in enumerate(layer)
+    }
     width = 24 + max(len(layer) for layer in layers) * (box_w + gap_x)
     height = 24 + len(layers) * (box_h + gap_y)
     esc = html.escape
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-           f"font-family='Helvetica,Arial,sans-serif' font-size='10'>"]
+    out = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"font-family='Helvetica,Arial,sans-serif' font-size='10'>"
+    ]
     for src, dst in g.edges:
         (x1, y1), (x2, y2) = pos[src], pos[dst]
-        out.append(f"<line x1='{x1 + box_w / 2}' y1='{y1 + box_h}' x2='{x2 + box_w / 2}' y2='{y2}' "
-                   "stroke='#999' stroke-width='1'/>")
+        out.append(
+            f"<line x1='{x1 + box_w / 2}' y1='{y1 + box_h}' x2='{x2 + box_w / 2}' y2='{y2}' "
+            "stroke='#999' stroke-width='1'/>"
+        )
     for nid, (label, kind, _) in rows.items():
         x, y = pos[nid]
         dash = " stroke-dasharray='4 2' stroke='#e07000'" if kind == "CAST" else " stroke='#666'"
-        out.append(f"<g><title>{esc(' | '.join(label))}</title><rect x='{x}' y='{y}' width='{box_w}' "
-                   f"height='{box_h}' rx='6' fill='{COLORS[kind]}'{dash}/>")
+        out.append(
+            f"<g><title>{esc(' | '.join(label))}</title><rect x='{x}' y='{y}' width='{box_w}' "
+            f"height='{box_h}' rx='6' fill='{COLORS[kind]}'{dash}/>"
+        )
         for k, line in enumerate(label[:2]):
             out.append(f"<text x='{x + 6}' y='{y + 14 + 12 * k}'>{esc(line[:28])}</text>")
         out.append("</g>")
@@ -152,39 +162,50 @@ def to_html(records: Sequence[CompileRecord], plan: PrecisionPlan, title: str) -
         counts, casts = mods.subtree(path)
         c = {k: counts[k] for k in PRECISIONS}
         total = max(sum(c.values()), 1)
-        bar = "".join(f"<i style='width:{100 * v / total:.1f}%;background:{COLORS[k]}'></i>"
-                      for k, v in c.items() if v)
+        bar = "".join(f"<i style='width:{100 * v / total:.1f}%;background:{COLORS[k]}'></i>" for k, v in c.items() if v)
         text = " ".join(f"{k} {v}" for k, v in c.items() if v)
         fp32 = sorted(mods.fp32_reasons(path))
         reasons = f" <span class='r'>FP32: {esc('; '.join(fp32)[:160])}</span>" if fp32 else ""
         name = path.rsplit(".", 1)[-1] if path else "(top level)"
-        out = [f"<details data-path='{esc(path)}'{' open' if depth == 0 else ''}><summary><b>{esc(name)}</b>"
-               f"<span class='bar'>{bar}</span><span class='n'>{text}; casts {len(casts)}</span>{reasons}</summary>"]
+        out = [
+            f"<details data-path='{esc(path)}'{' open' if depth == 0 else ''}><summary><b>{esc(name)}</b>"
+            f"<span class='bar'>{bar}</span><span class='n'>{text}; casts {len(casts)}</span>{reasons}</summary>"
+        ]
         out += [node(ch, depth + 1) for ch in mods.children(path)]
         if mods.own.get(path):
             out.append(f"<div class='nodes' data-m='{esc(path)}'></div>")
         out.append("</details>")
         return "".join(out)
 
-    rows = [[n.graph, n.name, n.op, n.module, n.precision, n.dtype, ", ".join(n.casts) or "-", n.reason]
-            for n in plan.nodes if floating(n)]
+    rows = [
+        [n.graph, n.name, n.op, n.module, n.precision, n.dtype, ", ".join(n.casts) or "-", n.reason]
+        for n in plan.nodes
+        if floating(n)
+    ]
     data = json.dumps(rows).replace("</", "<\\/")
     legend = "".join(f"<span><span class='b' style='background:{c}'>{k}</span></span>" for k, c in COLORS.items())
     badge = "".join(f".b.{k}{{background:{c}}}" for k, c in COLORS.items())
-    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",
-             f"<title>{esc(title)}</title><style>{_CSS}{_TREE_CSS}{badge}</style></head><body>",
-             f"<h1>{esc(title)}</h1>", f"<p>{esc(plan.format_summary())}</p>",
-             f"<p class='legend'>{legend}</p>",
-             "<input id='q' placeholder='filter modules (e.g. attn, h.3)'>",
-             node("", 0),
-             f"<script type='application/json' id='nodes'>{data}</script>"]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>{esc(title)}</title><style>{_CSS}{_TREE_CSS}{badge}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        f"<p>{esc(plan.format_summary())}</p>",
+        f"<p class='legend'>{legend}</p>",
+        "<input id='q' placeholder='filter modules (e.g. attn, h.3)'>",
+        node("", 0),
+        f"<script type='application/json' id='nodes'>{data}</script>",
+    ]
     small = [r for r in records if len(r.graph.graph.nodes) <= _SVG_LIMIT]
     for rec in small:
-        parts.append(f"<details><summary>graph {rec.index} drawn ({esc(rec.dtype)}: "
-                     f"{esc(rec.dtype_reason)})</summary><div class='graph'>{to_svg(rec)}</div></details>")
+        parts.append(
+            f"<details><summary>graph {rec.index} drawn ({esc(rec.dtype)}: "
+            f"{esc(rec.dtype_reason)})</summary><div class='graph'>{to_svg(rec)}</div></details>"
+        )
     if len(small) < len(records):
-        parts.append(f"<p class='n'>{len(records) - len(small)} graph(s) over {_SVG_LIMIT} nodes are "
-                     "not drawn: open their modules above, or use --format dot.</p>")
+        parts.append(
+            f"<p class='n'>{len(records) - len(small)} graph(s) over {_SVG_LIMIT} nodes are "
+            "not drawn: open their modules above, or use --format dot.</p>"
+        )
     parts.append(f"<script>{_TREE_JS}</script></body></html>")
     return "\n".join(parts)
 
@@ -248,8 +269,12 @@ class Modules:
         """What a subtree shows, child names relative: equal for repeated blocks."""
         if path not in self._signature:
             own = tuple(sorted(Counter(n.precision for n in self.own.get(path, [])).items()))
-            self._signature[path] = (own, len(self.casts.get(path, ())), tuple(sorted(self.fp32_reasons(path))),
-                                     tuple((c.rsplit(".", 1)[-1], self.signature(c)) for c in self.children(path)))
+            self._signature[path] = (
+                own,
+                len(self.casts.get(path, ())),
+                tuple(sorted(self.fp32_reasons(path))),
+                tuple((c.rsplit(".", 1)[-1], self.signature(c)) for c in self.children(path)),
+            )
         return self._signature[path]
 
 
@@ -289,9 +314,15 @@ def module_tree(plan, title: str = "amp plan"):
             j = i + 1
             while j < len(kids) and mods.signature(kids[j]) == mods.signature(kids[i]):
                 j += 1
-            branch = tree.add(label(kids[i]) if j - i == 1 else
-                              Text(f"{kids[i].rsplit('.', 1)[-1]} .. {kids[j - 1].rsplit('.', 1)[-1]}: "
-                                   f"{j - i} alike, each:\n", style="bold magenta") + label(kids[i]))
+            branch = tree.add(
+                label(kids[i])
+                if j - i == 1
+                else Text(
+                    f"{kids[i].rsplit('.', 1)[-1]} .. {kids[j - 1].rsplit('.', 1)[-1]}: {j - i} alike, each:\n",
+                    style="bold magenta",
+                )
+                + label(kids[i])
+            )
             add(branch, kids[i])
             i = j
 

@@ -117,8 +117,9 @@ class LossScaler(GradScaler):
         state["found_inf_per_device"] = {found_inf.device: found_inf.float()}
         state["stage"] = OptState.STEPPED
         self.update()
-        skipped, used, after = torch.stack([found_inf.float().reshape(()), before.reshape(()),
-                                            self._scale.reshape(())]).tolist()
+        skipped, used, after = torch.stack(
+            [found_inf.float().reshape(()), before.reshape(()), self._scale.reshape(())]
+        ).tolist()
         self._last_skipped = bool(skipped)
         self._skipped_steps += self._last_skipped
         return self._last_skipped, used, after
@@ -135,33 +136,38 @@ class LossScaler(GradScaler):
 
     def _update_with_hysteresis(self) -> None:
         scale, tracker = self._check_scale_growth_tracker("update")
-        found = sum(f.to(scale.device) for s in self._per_optimizer_states.values()
-                    for f in s["found_inf_per_device"].values())
+        found = sum(
+            f.to(scale.device) for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()
+        )
         if not torch.is_tensor(found):
             raise AssertionError("No inf checks were recorded prior to update.")
         if self._hysteresis_left is None:
-            self._hysteresis_left = torch.full((), self._init_hysteresis_left,
-                                               dtype=torch.int32, device=scale.device)
+            self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=scale.device)
         left = self._hysteresis_left
         absorbed = (found > 0) & (left > 1)
         # An absorbed overflow keeps the scale and restarts the growth count:
         # the tracker goes to -1 so the update's +1 lands on 0.
         tracker.copy_(torch.where(absorbed, torch.full_like(tracker, -1), tracker))
         before = scale.clone()
-        torch._amp_update_scale_(scale, tracker, found * (~absorbed), self._growth_factor,
-                                 self._backoff_factor, self._growth_interval)
-        left.copy_(torch.where(absorbed, left - 1,
-                               torch.where(scale > before, torch.full_like(left, self.hysteresis), left)))
+        torch._amp_update_scale_(
+            scale, tracker, found * (~absorbed), self._growth_factor, self._backoff_factor, self._growth_interval
+        )
+        left.copy_(
+            torch.where(absorbed, left - 1, torch.where(scale > before, torch.full_like(left, self.hysteresis), left))
+        )
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if state:
             left = self._hysteresis_left
-            state.update(min_scale=self.min_scale, max_scale=self.max_scale,
-                         hysteresis=self.hysteresis,
-                         _hysteresis_left=int(left.item()) if left is not None else self._init_hysteresis_left,
-                         skipped_steps=self.skipped_steps)
+            state.update(
+                min_scale=self.min_scale,
+                max_scale=self.max_scale,
+                hysteresis=self.hysteresis,
+                _hysteresis_left=int(left.item()) if left is not None else self._init_hysteresis_left,
+                skipped_steps=self.skipped_steps,
+            )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

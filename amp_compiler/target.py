@@ -11,10 +11,20 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float64": torch.float64, "int64": torch.int64,
-           "long": torch.int64, "int32": torch.int32, "bool": torch.bool}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
 _INPUT = re.compile(r"^(\d+(?:x\d+)*)(?::(\w+))?(?::(-?\d+)-(-?\d+))?$")
 
 
@@ -75,16 +85,20 @@ def load_target(spec: str, inputs: list[str] | None = None) -> tuple[torch.nn.Mo
         made = factory()
     except Exception as e:
         raise TargetError(f"factory {spec!r} failed: {type(e).__name__}: {e}") from None
-    model, example = (made if isinstance(made, tuple) and len(made) == 2
-                      and isinstance(made[0], torch.nn.Module) else (made, None))
+    model, example = (
+        made if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module) else (made, None)
+    )
     if not isinstance(model, torch.nn.Module):
-        raise TargetError(f"factory {spec!r} returned {type(model).__name__}, not an nn.Module "
-                          "(or a (model, example_inputs) pair)")
+        raise TargetError(
+            f"factory {spec!r} returned {type(model).__name__}, not an nn.Module (or a (model, example_inputs) pair)"
+        )
     if inputs:
         example = tuple(parse_input(s) for s in inputs)
     if example is None:
-        raise TargetError(f"factory {spec!r} returned no example inputs; give them with "
-                          "--input SHAPE[:DTYPE] (repeatable), e.g. --input 2x128:int64")
+        raise TargetError(
+            f"factory {spec!r} returned no example inputs; give them with "
+            "--input SHAPE[:DTYPE] (repeatable), e.g. --input 2x128:int64"
+        )
     args, kwargs = _split(example)
     return model, args, kwargs
 

@@ -67,8 +67,23 @@ class TrainStep:
     the loss is ``loss_fn(model_output, *targets)``.
     """
 
-    def __init__(self, model, optimizer, loss_fn, *, dtype, dtype_reason, scaler, monitor,
-                 max_grad_norm, grad_accum, lr_scheduler, backend, fused=None, compile_loss=True):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss_fn,
+        *,
+        dtype,
+        dtype_reason,
+        scaler,
+        monitor,
+        max_grad_norm,
+        grad_accum,
+        lr_scheduler,
+        backend,
+        fused=None,
+        compile_loss=True,
+    ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
         self.scaler, self.monitor, self.backend = scaler, monitor, backend
@@ -78,9 +93,11 @@ class TrainStep:
         joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
         self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
         if joint and backend.options.low_precision_outputs:
-            log.warning("amp: low_precision_outputs has no effect here: the compiled graph returns "
-                        "the loss, which stays FP32; pass compile_loss=False to have the model's "
-                        "outputs returned in 16 bit")
+            log.warning(
+                "amp: low_precision_outputs has no effect here: the compiled graph returns "
+                "the loss, which stays FP32; pass compile_loss=False to have the model's "
+                "outputs returned in 16 bit"
+            )
         self.micro_step = 0
         self.plan_fingerprint: str | None = None  # set after the first compile, equal on all ranks
         self.optimizer_steps = 0
@@ -156,8 +173,7 @@ class TrainStep:
             scale_after = None
         return self._after_step(loss, skipped, scale, scale_after, grad_norm)
 
-    def _after_step(self, loss, skipped: bool, scale: float, scale_after: float | None,
-                    grad_norm) -> StepResult:
+    def _after_step(self, loss, skipped: bool, scale: float, scale_after: float | None, grad_norm) -> StepResult:
         if skipped:
             self._offending = self._batch
         if not skipped and self.lr_scheduler is not None:
@@ -168,8 +184,13 @@ class TrainStep:
         enabled = self.scaler.is_enabled()
         event = None
         if self.monitor is not None:
-            event = self.monitor.observe(skipped, scale_before=scale if enabled else None,
-                                         scale_after=scale_after, scaler=self.scaler, dtype=self.dtype)
+            event = self.monitor.observe(
+                skipped,
+                scale_before=scale if enabled else None,
+                scale_after=scale_after,
+                scaler=self.scaler,
+                dtype=self.dtype,
+            )
         # scale for the next micro-steps: the update's, or the monitor's lower one after an alert
         if not enabled:
             self._last_scale = 1.0
@@ -194,14 +215,17 @@ class TrainStep:
         run = run_side_by_side(self.model, args, kwargs, self.dtype, self.backend.options.replace(dump_dir=None))
         bad = run.first_nonfinite
         if bad is None:
-            note = ("; the forward pass is finite on the offending batch: the overflow is in "
-                    "backward (loss scale) or in the data")
+            note = (
+                "; the forward pass is finite on the offending batch: the overflow is in "
+                "backward (loss scale) or in the data"
+            )
             return dataclasses.replace(event, message=event.message + note)
         option, pattern = pin_of(bad)
         where = f"node '{bad.name}' ({bad.op}){' in module ' + repr(bad.module) if bad.module else ''}"
         note = f"; first Inf/NaN at {where}: suggested pin {option}=[{pattern!r}]"
-        return dataclasses.replace(event, message=event.message + note, first_nonfinite=where,
-                                   suggested_pin={option: [pattern]})
+        return dataclasses.replace(
+            event, message=event.message + note, first_nonfinite=where, suggested_pin={option: [pattern]}
+        )
 
     def _check_finite_unscaled(self) -> None:
         """BF16: no scaler, but a step with Inf/NaN gradients is still skipped, on every rank
@@ -218,16 +242,21 @@ class TrainStep:
 
     def state_dict(self) -> dict:
         """Scaler, monitor and counters (save model/optimizer/scheduler states beside it)."""
-        return {"dtype": self.dtype, "scaler": self.scaler.state_dict(),
-                "monitor": self.monitor.state_dict() if self.monitor is not None else None,
-                "micro_step": self.micro_step, "optimizer_steps": self.optimizer_steps,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "dtype": self.dtype,
+            "scaler": self.scaler.state_dict(),
+            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "micro_step": self.micro_step,
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["dtype"] != self.dtype:
             raise ValueError(
                 f"checkpoint was trained in {state['dtype']}, this step runs {self.dtype}: "
-                f"pass dtype={state['dtype']!r} to make_train_step to resume it")
+                f"pass dtype={state['dtype']!r} to make_train_step to resume it"
+            )
         self.scaler.load_state_dict(state["scaler"])
         if self.monitor is not None and state["monitor"] is not None:
             self.monitor.load_state_dict(state["monitor"])
@@ -235,13 +264,23 @@ class TrainStep:
         self.optimizer_steps, self.skipped_steps = state["optimizer_steps"], state["skipped_steps"]
 
 
-def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    loss_fn: Callable[..., torch.Tensor], *, dtype: str | None = None,
-                    scaler: LossScaler | None = None, monitor: NonFiniteMonitor | None = None,
-                    max_grad_norm: float | None = None, grad_accum: int | None = None,
-                    lr_scheduler=None, compile_options: dict | None = None,
-                    fused_update: bool | None = None, config=None,
-                    ddp_comm_dtype: str | None = None, compile_loss: bool = True) -> TrainStep:
+def make_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    dtype: str | None = None,
+    scaler: LossScaler | None = None,
+    monitor: NonFiniteMonitor | None = None,
+    max_grad_norm: float | None = None,
+    grad_accum: int | None = None,
+    lr_scheduler=None,
+    compile_options: dict | None = None,
+    fused_update: bool | None = None,
+    config=None,
+    ddp_comm_dtype: str | None = None,
+    compile_loss: bool = True,
+) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
     ``dtype``: "auto" (the default: what the device runs fast: BF16, else FP16 with loss
@@ -288,11 +327,21 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     backend = AmpBackend(options, dtype=choice)
     backend.decided = (choice, reason)
     comm = install_comm_hook(model, ddp_comm_dtype) if ddp_comm_dtype else None
-    step = TrainStep(model, optimizer, loss_fn, dtype=choice, dtype_reason=reason, scaler=scaler,
-                     monitor=monitor, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
-                     lr_scheduler=lr_scheduler, backend=backend,
-                     fused=_fused_update(optimizer, max_grad_norm, fused_update),
-                     compile_loss=compile_loss)
+    step = TrainStep(
+        model,
+        optimizer,
+        loss_fn,
+        dtype=choice,
+        dtype_reason=reason,
+        scaler=scaler,
+        monitor=monitor,
+        max_grad_norm=max_grad_norm,
+        grad_accum=grad_accum,
+        lr_scheduler=lr_scheduler,
+        backend=backend,
+        fused=_fused_update(optimizer, max_grad_norm, fused_update),
+        compile_loss=compile_loss,
+    )
     step.comm = comm
     return step
 
@@ -342,15 +391,17 @@ def _compile(model: torch.nn.Module, backend: AmpBackend):
     if not units:
         return torch.compile(model, backend=backend)
     # A unit holding other units graph-breaks at each child's hooks: compile the innermost.
-    leaves = {n: m for n, m in units.items()
-              if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
+    leaves = {n: m for n, m in units.items() if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
     for m in leaves.values():
         m.forward = torch.compile(m.forward, backend=backend)
     outer = sorted(set(units) - set(leaves))
     if outer:
-        log.warning("amp: FSDP2 units %s hold other units; their own ops (outside the inner "
-                    "units) run as written, in FP32. Shard those ops into units of their own "
-                    "to have them planned.", [n or "<root>" for n in outer])
+        log.warning(
+            "amp: FSDP2 units %s hold other units; their own ops (outside the inner "
+            "units) run as written, in FP32. Shard those ops into units of their own "
+            "to have them planned.",
+            [n or "<root>" for n in outer],
+        )
     log.info("amp training step: FSDP2, %d innermost fully_shard unit(s) compiled", len(leaves))
     return model
 
@@ -361,8 +412,9 @@ def _fused_update(optimizer, max_grad_norm, wanted: bool | None) -> FusedUpdate 
     why = unsupported(optimizer)
     if why:
         if wanted:
-            raise ValueError(f"fused_update=True: {why}; pass fused_update=None to fall back "
-                             "to the optimizer's own step()")
+            raise ValueError(
+                f"fused_update=True: {why}; pass fused_update=None to fall back to the optimizer's own step()"
+            )
         log.info("amp training step: optimizer.step() (%s)", why)
         return None
     return FusedUpdate(optimizer, max_grad_norm)

@@ -21,8 +21,7 @@ aten = torch.ops.aten
 
 def _shared_weight(node) -> torch.fx.Node | None:
     """``w`` when ``node`` is ``expand(w, [b, k, n])`` of a 2-D ``w``."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is aten.expand.default):
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.expand.default):
         return None
     w = node.args[0]
     wv, ev = tensor_val(w), tensor_val(node)

@@ -33,8 +33,7 @@ def recompute_masks(graph: torch.fx.Graph) -> int:
         return 0
     done = 0
     for node in graph.nodes:
-        if (node in bwd or node.op != "call_function"
-                or getattr(node.target, "overloadpacket", None) not in _COMPARE):
+        if node in bwd or node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in _COMPARE:
             continue
         out = tensor_val(node)
         if out is None or out.dtype != torch.bool or out.device.type != "cpu":

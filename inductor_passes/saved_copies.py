@@ -41,15 +41,20 @@ def reuse_saved_copies(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node in bwd or node.op != "call_function" or node_dtype(node) != torch.float32:
             continue
-        copy = next((u for u in node.users if u.target is JOINT_CAST and u not in bwd
-                     and u.args[1] in LOW_FLOATS), None)
+        copy = next(
+            (u for u in node.users if u.target is JOINT_CAST and u not in bwd and u.args[1] in LOW_FLOATS), None
+        )
         if copy is None:
             continue
         if not any(u in bwd for v in closure(copy, JOINT_VIEWS) for u in v.users):
             continue  # the copy is not saved: swapping would save it instead, at a precision cost
         # backward readers of the value, looking through aliases; all come after the copy
-        uses = [(u, v) for v in closure(node, _ALIAS) for u in v.users
-                if u in bwd and u.target not in _ALIAS and order[u] > order[copy]]
+        uses = [
+            (u, v)
+            for v in closure(node, _ALIAS)
+            for u in v.users
+            if u in bwd and u.target not in _ALIAS and order[u] > order[copy]
+        ]
         if not uses:
             continue
         with graph.inserting_after(copy):

@@ -25,8 +25,13 @@ def keep_weight_copies(graph: torch.fx.Graph, static: list[torch.fx.Node]) -> in
     """Mark the forward's 16-bit casts of ``static`` inputs (through views) MUST_SAVE;
     returns how many."""
     bwd = tangent_dependent(graph)
-    casts = {u for primal in static for v in closure(primal, JOINT_VIEWS) for u in v.users
-             if u.target is JOINT_CAST and u.args[1] in LOW_FLOATS and u not in bwd}
+    casts = {
+        u
+        for primal in static
+        for v in closure(primal, JOINT_VIEWS)
+        for u in v.users
+        if u.target is JOINT_CAST and u.args[1] in LOW_FLOATS and u not in bwd
+    }
     for cast in casts:
         cast.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return len(casts)

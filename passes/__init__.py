@@ -17,6 +17,16 @@ from .verify import AmpVerifyError, verify_plan
 PIPELINE = (decompose_attention, tag_precision, place_flexible, insert_casts, fold_casts, verify_plan)
 
 __all__ = [
-    "PIPELINE", "AmpVerifyError", "decompose_attention", "PassContext", "PassRecord", "PassResult",
-    "fold_casts", "insert_casts", "place_flexible", "run_pipeline", "tag_precision", "verify_plan",
+    "PIPELINE",
+    "AmpVerifyError",
+    "decompose_attention",
+    "PassContext",
+    "PassRecord",
+    "PassResult",
+    "fold_casts",
+    "insert_casts",
+    "place_flexible",
+    "run_pipeline",
+    "tag_precision",
+    "verify_plan",
 ]

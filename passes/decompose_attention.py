@@ -74,8 +74,13 @@ def _rule(node: torch.fx.Node, low: torch.dtype, attention: str) -> tuple[str, d
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
     if q is None or k is None or not _static(q.shape[-1:]):
         return None
-    if (q.device.type == "cpu" and torch.is_grad_enabled() and mask_val is not None
-            and mask_val.is_floating_point() and _from_parameter(mask)):
+    if (
+        q.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and mask_val is not None
+        and mask_val.is_floating_point()
+        and _from_parameter(mask)
+    ):
         return "trainable_mask", a
     if low == torch.float32 or attention == "fused" or not _static(q.shape, k.shape):
         return None
@@ -123,6 +128,7 @@ def _arguments(node: torch.fx.Node) -> dict:
 
 def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, a: dict, *, train: bool = True) -> None:
     """Replace SDPA ``node`` by its math form, laid out in memory as the fused output was."""
+
     def call(op, *args, **kwargs):
         return graph.call_function(op, args, kwargs)
 
@@ -133,8 +139,9 @@ def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, a: dict, *, train: bo
     graph.erase_node(node)
 
 
-def _math(call, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False, *, train):
+def _math(
+    call, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, train
+):
     """SDPA's semantics as matmul -> scale -> (causal mask) -> (+ mask) -> softmax ->
     (dropout) -> matmul, recorded by ``call(op, *args, **kwargs)``. With a mask the softmax
     is ``_safe_softmax``: a query that may attend nothing gets zeros, as from the fused op;
@@ -144,16 +151,13 @@ def _math(call, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if enable_gqa and kv.shape[-3] != qv.shape[-3]:
         key, value = (_repeat_heads(call, t, qv.shape[-3] // kv.shape[-3]) for t in (key, value))
     scale = qv.shape[-1] ** -0.5 if scale is None else scale
-    scores = call(aten.mul.Tensor,
-                  call(aten.matmul.default, query, call(aten.transpose.int, key, -2, -1)), scale)
+    scores = call(aten.mul.Tensor, call(aten.matmul.default, query, call(aten.transpose.int, key, -2, -1)), scale)
     if is_causal:
-        ones = call(aten.ones.default, [qv.shape[-2], kv.shape[-2]], dtype=torch.bool,
-                    device=qv.device)
+        ones = call(aten.ones.default, [qv.shape[-2], kv.shape[-2]], dtype=torch.bool, device=qv.device)
         scores = call(aten.masked_fill.Scalar, scores, call(aten.triu.default, ones, 1), float("-inf"))
     if attn_mask is not None:
         if attn_mask.meta["val"].dtype == torch.bool:
-            scores = call(aten.masked_fill.Scalar, scores, call(aten.logical_not.default, attn_mask),
-                          float("-inf"))
+            scores = call(aten.masked_fill.Scalar, scores, call(aten.logical_not.default, attn_mask), float("-inf"))
         else:
             scores = call(aten.add.Tensor, scores, attn_mask)
         weights = call(aten._safe_softmax.default, scores, -1)
@@ -173,16 +177,14 @@ def _in_layout(call, out: torch.fx.Node, like: torch.Tensor | None) -> torch.fx.
         return out
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
     back = sorted(range(like.dim()), key=order.__getitem__)
-    dense = call(aten.clone.default, call(aten.permute.default, out, order),
-                 memory_format=torch.contiguous_format)
+    dense = call(aten.clone.default, call(aten.permute.default, out, order), memory_format=torch.contiguous_format)
     return call(aten.permute.default, dense, back)
 
 
 def _repeat_heads(call, x: torch.fx.Node, times: int) -> torch.fx.Node:
     """(..., H, L, E) -> (..., H * times, L, E), each head repeated in place (repeat_interleave)."""
     shape = list(x.meta["val"].shape)
-    wide = call(aten.expand.default, call(aten.unsqueeze.default, x, -3),
-                shape[:-2] + [times] + shape[-2:])
+    wide = call(aten.expand.default, call(aten.unsqueeze.default, x, -3), shape[:-2] + [times] + shape[-2:])
     return call(aten.reshape.default, wide, shape[:-3] + [shape[-3] * times] + shape[-2:])
 
 

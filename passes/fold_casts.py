@@ -37,8 +37,7 @@ def fold_casts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         replacement, kind = None, None
         if node_dtype(src) == _target(node):
             replacement, kind = src, "noop"
-        elif (is_inserted_cast(src) and _target(src) == torch.float32
-              and node_dtype(src.args[0]) == _target(node)):
+        elif is_inserted_cast(src) and _target(src) == torch.float32 and node_dtype(src.args[0]) == _target(node):
             replacement, kind = src.args[0], "round_trip"
         else:
             key = (src, _target(node), info(node).region)

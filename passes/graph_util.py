@@ -16,9 +16,12 @@ _WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2}
 
 CAST_OP = torch.ops.aten._to_copy.default
 USER_CAST_OPS = {
-    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other,
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten.to.other,
     torch.ops.aten.to.device,
-    torch.ops.aten._to_copy.default, torch.ops.aten.type_as.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.type_as.default,
     torch.ops.prims.convert_element_type.default,
 }
 _REGION_FNS = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled"}
@@ -29,10 +32,19 @@ _REGION_FNS = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled"}
 # carries matmul outputs there)
 LOW_FLOATS = (torch.bfloat16, torch.float16)
 JOINT_CAST = torch.ops.prims.convert_element_type.default
-JOINT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
-               torch.ops.aten.alias.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
-               torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
-               torch.ops.aten.slice.Tensor, torch.ops.aten._unsafe_view.default}
+JOINT_VIEWS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten._unsafe_view.default,
+}
 
 
 def closure(node: torch.fx.Node, ops) -> list[torch.fx.Node]:
@@ -142,8 +154,7 @@ def is_view(node: torch.fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return any(r.alias_info is not None and not r.alias_info.is_write
-               for r in target._schema.returns)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
 
 def volatile_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -233,8 +244,11 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
                 continue  # its inputs keep their dtypes at the boundary, so its outputs do too
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n, fake_mode))
             new = node.target(*args, **kwargs)
-            if fresh or val_dtype(new) != val_dtype(node.meta.get("val")) or \
-                    any(i in changed for i in node.all_input_nodes):
+            if (
+                fresh
+                or val_dtype(new) != val_dtype(node.meta.get("val"))
+                or any(i in changed for i in node.all_input_nodes)
+            ):
                 changed.add(node)
             node.meta["val"] = new
 

@@ -51,9 +51,7 @@ class PassRecord:
 Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
 
-def run_pipeline(
-    gm: torch.fx.GraphModule, ctx: PassContext, pipeline: Sequence[Pass]
-) -> list[PassRecord]:
+def run_pipeline(gm: torch.fx.GraphModule, ctx: PassContext, pipeline: Sequence[Pass]) -> list[PassRecord]:
     """Run passes in order; record name, time, nodes added/removed, modified.
 
     Subgraphs the capture marked for rewriting (checkpoint bodies) go through
@@ -62,8 +60,7 @@ def run_pipeline(
     """
     records = []
     for name, body in rewritten_bodies(gm):
-        body_ctx = replace(ctx, user_casts=set(),
-                           options=ctx.options.replace(low_precision_outputs=False))
+        body_ctx = replace(ctx, user_casts=set(), options=ctx.options.replace(low_precision_outputs=False))
         for rec in run_pipeline(body, body_ctx, pipeline):
             records.append(replace(rec, name=f"{name}/{rec.name}"))
         body.recompile()
@@ -73,16 +70,21 @@ def run_pipeline(
         result = p(gm, ctx)
         seconds = time.perf_counter() - t0
         after = {id(n) for n in gm.graph.nodes}
-        rec = PassRecord(p.__name__, seconds, len(after - before), len(before - after),
-                         result.modified, result.detail)
+        rec = PassRecord(p.__name__, seconds, len(after - before), len(before - after), result.modified, result.detail)
         records.append(rec)
-        log.debug("graph %d: %s modified=%s +%d -%d nodes in %.3fs %s", ctx.graph_index,
-                  rec.name, rec.modified, rec.nodes_added, rec.nodes_removed, seconds,
-                  rec.detail)
+        log.debug(
+            "graph %d: %s modified=%s +%d -%d nodes in %.3fs %s",
+            ctx.graph_index,
+            rec.name,
+            rec.modified,
+            rec.nodes_added,
+            rec.nodes_removed,
+            seconds,
+            rec.detail,
+        )
         if ctx.options.dump_dir:
             os.makedirs(ctx.options.dump_dir, exist_ok=True)
-            path = os.path.join(ctx.options.dump_dir,
-                                f"graph{ctx.graph_index}_{step}_{rec.name}.txt")
+            path = os.path.join(ctx.options.dump_dir, f"graph{ctx.graph_index}_{step}_{rec.name}.txt")
             with open(path, "w") as f:
                 f.write(gm.print_readable(print_output=False))
     return records

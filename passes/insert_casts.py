@@ -34,17 +34,22 @@ from .infra import PassContext, PassResult
 
 def _make_cast(graph, src, dtype, before, region, reason, low):
     with graph.inserting_before(before):
-        cast = graph.create_node("call_function", CAST_OP, (src,), {"dtype": dtype},
-                                 name=f"{src.name}_to_{dtype_name(dtype)}")
+        cast = graph.create_node(
+            "call_function", CAST_OP, (src,), {"dtype": dtype}, name=f"{src.name}_to_{dtype_name(dtype)}"
+        )
     src_info = info(src)
     cast.meta["val"] = src.meta["val"]  # refreshed below, before anyone reads it
     for key in ("nn_module_stack", "stack_trace"):
         if key in before.meta:
             cast.meta[key] = before.meta[key]
     cast.meta[META_KEY] = NodeInfo(
-        Precision.LOW if dtype == low else Precision.FP32, reason, op=str(CAST_OP),
+        Precision.LOW if dtype == low else Precision.FP32,
+        reason,
+        op=str(CAST_OP),
         module=info(before).module if info(before) else "",
-        orig=src_info.orig if src_info else None, planned=dtype, region=region,
+        orig=src_info.orig if src_info else None,
+        planned=dtype,
+        region=region,
         inserted=True,
     )
     return cast
@@ -114,8 +119,10 @@ def _restore_outputs(output: torch.fx.Node, cast_for) -> None:
         if src_info is None or not isinstance(src.meta.get("val"), torch.Tensor):
             continue
         if src_info.orig in AMP_FLOATS and src_info.planned != src_info.orig:
-            why = (f"{src.name} {dtype_name(src_info.planned)} -> {dtype_name(src_info.orig)}: "
-                   "outputs keep the FP32 model's dtype")
+            why = (
+                f"{src.name} {dtype_name(src_info.planned)} -> {dtype_name(src_info.orig)}: "
+                "outputs keep the FP32 model's dtype"
+            )
             cast = cast_for(src, src_info.orig, output, src_info.region, why)
             output.replace_input_with(src, cast)
             out_info.casts.append(cast.name)

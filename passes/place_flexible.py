@@ -52,9 +52,17 @@ def _numel(node: torch.fx.Node) -> int | None:
 
 def _candidate(node: torch.fx.Node, low: torch.dtype) -> bool:
     i = info(node)
-    if (i is None or i.inserted or i.boundary or node.op != "call_function"
-            or i.precision is not Precision.PASSTHROUGH or i.compute is not None or i.constants
-            or node.target in USER_CAST_OPS or not isinstance(node.target, torch._ops.OpOverload)):
+    if (
+        i is None
+        or i.inserted
+        or i.boundary
+        or node.op != "call_function"
+        or i.precision is not Precision.PASSTHROUGH
+        or i.compute is not None
+        or i.constants
+        or node.target in USER_CAST_OPS
+        or not isinstance(node.target, torch._ops.OpOverload)
+    ):
         return False
     if i.orig != torch.float32 or _numel(node) is None or mutated_inputs(node):
         return False
@@ -97,8 +105,8 @@ def place_flexible(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     for n in reversed(nodes):
         if n in flex:
             lowerable[n] = bool(n.users) and all(
-                lowerable.get(u, False) if u in flex else _requirement(u, n, flex, low_outputs) == low
-                for u in n.users)
+                lowerable.get(u, False) if u in flex else _requirement(u, n, flex, low_outputs) == low for u in n.users
+            )
 
     def side(dtype):
         return _SINK if dtype == low else _SRC if dtype == torch.float32 else None
@@ -114,8 +122,7 @@ def place_flexible(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if vi is None or vi.planned not in AMP_FLOATS or _numel(value) is None:
             continue
         here = value if value in flex else side(vi.planned)
-        users = [r for u in value.users
-                 if (r := _requirement(u, value, flex, low_outputs)) is not None]
+        users = [r for u in value.users if (r := _requirement(u, value, flex, low_outputs)) is not None]
         users = [u if isinstance(u, torch.fx.Node) else side(u) for u in users]
         users = [u for u in users if u is not None]
         if here is None or not any(isinstance(u, torch.fx.Node) for u in users + [here]):
@@ -141,12 +148,14 @@ def place_flexible(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             i.planned, i.compute, i.placed = want, want, True
             i.reason += f"; {dtype_name(want)} by minimum cut over elements cast"
             moved += 1
-    return PassResult(moved > 0, {"flexible": len(flex), "moved": moved,
-                                  "elements_cast": {"greedy": greedy, "min_cut": cut}})
+    return PassResult(
+        moved > 0, {"flexible": len(flex), "moved": moved, "elements_cast": {"greedy": greedy, "min_cut": cut}}
+    )
 
 
 def _greedy_cost(values) -> int:
     """Elements the greedy plan casts in the same network: one cast per value and direction."""
+
     def on(x):
         return x if isinstance(x, str) else side_of(info(x).planned)
 

@@ -67,6 +67,7 @@ def module_path(node: torch.fx.Node) -> list[str]:
 
 def _promoted(inputs: list[torch.fx.Node]) -> torch.dtype | None:
     """Widest planned float dtype, ignoring 0-dim tensors as torch promotion does."""
+
     def planned(n):
         i = info(n)
         return i.planned if i is not None else node_dtype(n)
@@ -115,8 +116,7 @@ class _Tagger:
             elif name == "_exit_autocast" and self.autocast_off:
                 self.autocast_off.pop()
         modules = module_path(node)
-        base = dict(op=_op_name(node), module=modules[-1] if modules else "",
-                    orig=self.orig(node), region=self.region)
+        base = dict(op=_op_name(node), module=modules[-1] if modules else "", orig=self.orig(node), region=self.region)
         if is_hop(node):
             kind, reason = node_treatment(node)
             precision = Precision.FP32 if kind is HopKind.OPAQUE else Precision.PASSTHROUGH
@@ -130,20 +130,30 @@ class _Tagger:
             if all(abs(v) >= _FP32_MAX for v in big.values()):
                 # finfo(float32).min as a mask fill means "the lowest value there is".
                 constants = {k: math.copysign(torch.finfo(low).max, v) for k, v in big.items()}
-                reason += (f"; fill {_values(big)} (FP32's extreme, baked in from the FP32 "
-                           f"model) becomes {dtype_name(low)}'s extreme")
+                reason += (
+                    f"; fill {_values(big)} (FP32's extreme, baked in from the FP32 "
+                    f"model) becomes {dtype_name(low)}'s extreme"
+                )
             elif mutated_inputs(node):
                 raise AmpPolicyError(
                     f"node '{node.name}' writes the constant {_values(big)} into a "
                     f"{dtype_name(low)} tensor, which cannot hold it; pin its module with "
-                    "fp32_modules so the tensor stays FP32")
+                    "fp32_modules so the tensor stays FP32"
+                )
             else:
                 precision, compute = Precision.FP32, torch.float32
                 what = "does not fit" if any(abs(v) >= 1 for v in big.values()) else "rounds to 0 in"
                 reason = f"constant {_values(big)} {what} {dtype_name(low)}: FP32 (was: {reason})"
                 planned = self.plan(node, precision, compute, base["orig"])
-        return NodeInfo(precision, reason, compute=compute, planned=planned, constants=constants,
-                        unknown=reason.startswith(_UNKNOWN), **base)
+        return NodeInfo(
+            precision,
+            reason,
+            compute=compute,
+            planned=planned,
+            constants=constants,
+            unknown=reason.startswith(_UNKNOWN),
+            **base,
+        )
 
     def decide(self, node, modules):
         if node.op == "placeholder":
@@ -190,17 +200,19 @@ class _Tagger:
             table, reason = Precision.FP32, pin
 
         written = mutated_inputs(node)
-        if written and any(r.alias_info is not None and r.alias_info.is_write
-                           for r in node.target._schema.returns):
+        if written and any(r.alias_info is not None and r.alias_info.is_write for r in node.target._schema.returns):
             target = self.planned(next(iter(written)))
             wanted = {Precision.LOW: self.low, Precision.FP32: torch.float32}.get(table, target)
             # The write happens in the written tensor's dtype; other floating inputs
             # (a copy_ source, index_put_ values) are cast to it once.
             compute = target if target in AMP_FLOATS else None
             if wanted != target:
-                return (Precision.PASSTHROUGH,
-                        f"in-place op writes a {dtype_name(target)} tensor: runs in its dtype "
-                        f"(policy says {table}; write it out of place to change that)", compute)
+                return (
+                    Precision.PASSTHROUGH,
+                    f"in-place op writes a {dtype_name(target)} tensor: runs in its dtype "
+                    f"(policy says {table}; write it out of place to change that)",
+                    compute,
+                )
             if table is Precision.PASSTHROUGH:
                 return table, f"in-place: runs in the dtype of the tensor it writes ({dtype_name(target)})", compute
             return table, f"{reason}; in-place, writes a {dtype_name(target)} tensor", compute
@@ -234,9 +246,7 @@ class _Tagger:
         inputs = tensor_inputs(node)
         if node.target in (torch.ops.aten.type_as.default, torch.ops.aten.to.other):
             follow = self.planned(node.args[1])
-        elif node.target is torch.ops.aten.to.device or (
-            node.target in USER_CAST_OPS and explicit_dtype(node) is None
-        ):
+        elif node.target is torch.ops.aten.to.device or (node.target in USER_CAST_OPS and explicit_dtype(node) is None):
             follow = self.planned(node.args[0])
         elif explicit_dtype(node) is not None:
             return orig
@@ -257,8 +267,12 @@ class _Tagger:
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _NUMBER_ARGS = {"number", "Optional[number]", "float", "Optional[float]", "Tensor"}
-_FILLS = {torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default,
-          torch.ops.aten.full_like.default, torch.ops.aten.new_full.default}
+_FILLS = {
+    torch.ops.aten.full.default,
+    torch.ops.aten.scalar_tensor.default,
+    torch.ops.aten.full_like.default,
+    torch.ops.aten.new_full.default,
+}
 
 
 def overflowing_constants(node: torch.fx.Node, dtype: object) -> dict:
@@ -324,8 +338,13 @@ def tag_precision(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             modified = True
         node.meta[META_KEY] = new
     if tagger.unknown:
-        log.warning("graph %d: %d unknown op(s) run in FP32: %s", ctx.graph_index,
-                    sum(tagger.unknown.values()), dict(tagger.unknown))
-    counts = Counter(info(n).precision.value for n in gm.graph.nodes
-                     if n.op == "call_function" and not info(n).inserted)
+        log.warning(
+            "graph %d: %d unknown op(s) run in FP32: %s",
+            ctx.graph_index,
+            sum(tagger.unknown.values()),
+            dict(tagger.unknown),
+        )
+    counts = Counter(
+        info(n).precision.value for n in gm.graph.nodes if n.op == "call_function" and not info(n).inserted
+    )
     return PassResult(modified, {"precision": dict(counts), "unknown": dict(tagger.unknown)})

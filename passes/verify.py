@@ -63,13 +63,23 @@ def verify_plan(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op == "output" and not ctx.options.low_precision_outputs:
             for src in node.all_input_nodes:
                 si = info(src)
-                if isinstance(src.meta.get("val"), torch.Tensor) and si.orig in AMP_FLOATS \
-                        and node_dtype(src) != si.orig and not is_inserted_cast(src):
-                    _fail(node, f"returns {src.name} as {dtype_name(node_dtype(src))}, "
-                                f"the FP32 model returns {dtype_name(si.orig)}")
+                if (
+                    isinstance(src.meta.get("val"), torch.Tensor)
+                    and si.orig in AMP_FLOATS
+                    and node_dtype(src) != si.orig
+                    and not is_inserted_cast(src)
+                ):
+                    _fail(
+                        node,
+                        f"returns {src.name} as {dtype_name(node_dtype(src))}, "
+                        f"the FP32 model returns {dtype_name(si.orig)}",
+                    )
                 if is_inserted_cast(src) and node_dtype(src) != si.orig:
-                    _fail(node, f"returns {src.name} as {dtype_name(node_dtype(src))}, "
-                                f"the FP32 model returns {dtype_name(si.orig)}")
+                    _fail(
+                        node,
+                        f"returns {src.name} as {dtype_name(node_dtype(src))}, "
+                        f"the FP32 model returns {dtype_name(si.orig)}",
+                    )
         if is_inserted_cast(node):
             src = node.args[0]
             if is_inserted_cast(src):
@@ -85,6 +95,7 @@ def verify_plan(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         for src in tensor_inputs(node):
             have, want = node_dtype(src), wanted_dtype(i, src)
             if src not in written and have in AMP_FLOATS and want in AMP_FLOATS and have != want:
-                _fail(node, f"input '{src.name}' arrives as {dtype_name(have)}, "
-                            f"the node computes in {dtype_name(want)}")
+                _fail(
+                    node, f"input '{src.name}' arrives as {dtype_name(have)}, the node computes in {dtype_name(want)}"
+                )
     return PassResult(False)

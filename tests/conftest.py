@@ -62,8 +62,7 @@ def real_machine(monkeypatch):
 def no_caches():
     """Inductor's FX and AOT caches off: a cached graph would skip amp's Inductor passes.
     (``config.patch``: monkeypatch's undo would delete the config entries.)"""
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
 

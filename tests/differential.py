@@ -21,8 +21,15 @@ from amp_compiler import AmpBackend
 from amp_compiler.policy import LOW_DTYPES
 
 aten = torch.ops.aten
-LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
-            aten._scaled_dot_product_flash_attention_for_cpu, aten._grouped_mm)
+LOW_EXEC = (
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._grouped_mm,
+)
 
 
 def _loss(out) -> torch.Tensor:
@@ -81,19 +88,26 @@ class Step:
         """Every way the amp step is not the FP32 program, in words (empty: faithful)."""
         out = []
         if set(self.grads_amp) != set(self.grads_fp32):
-            out.append(f"parameters with gradients differ: missing "
-                       f"{sorted(set(self.grads_fp32) - set(self.grads_amp))[:5]}, extra "
-                       f"{sorted(set(self.grads_amp) - set(self.grads_fp32))[:5]}")
+            out.append(
+                f"parameters with gradients differ: missing "
+                f"{sorted(set(self.grads_fp32) - set(self.grads_amp))[:5]}, extra "
+                f"{sorted(set(self.grads_amp) - set(self.grads_fp32))[:5]}"
+            )
         if math.isfinite(self.loss_fp32) and not math.isfinite(self.loss_amp):
             out.append(f"loss {self.loss_amp} where FP32 gives {self.loss_fp32}")
-        bad = [n for n, g in self.grads_amp.items()
-               if n in self.grads_fp32 and torch.isfinite(self.grads_fp32[n]).all()
-               and not torch.isfinite(g).all()]
+        bad = [
+            n
+            for n, g in self.grads_amp.items()
+            if n in self.grads_fp32 and torch.isfinite(self.grads_fp32[n]).all() and not torch.isfinite(g).all()
+        ]
         if bad:
             out.append(f"non-finite gradients where FP32's are finite: {bad[:5]}")
         if not out and self.cosine_below_autocast(slack) and not self.ill_conditioned:
-            against = (f"0.99 (torch.autocast failed: {self.autocast_error})" if self.autocast_error
-                       else f"autocast's {self.cos_autocast:.4f} - {slack}")
+            against = (
+                f"0.99 (torch.autocast failed: {self.autocast_error})"
+                if self.autocast_error
+                else f"autocast's {self.cos_autocast:.4f} - {slack}"
+            )
             out.append(f"gradient cosine {self.cos_amp:.4f} < {against}")
         if self.graphs_amp > self.graphs_plain:
             out.append(f"{self.graphs_amp} graphs compiled, plain torch.compile needs {self.graphs_plain}")
@@ -149,8 +163,19 @@ def one_step(build, dtype: str = "bf16", options: dict | None = None, inner=None
     loss = _loss(torch.compile(model, backend=backend)(**inputs))
     loss.backward()
     low_calls = len([d for d in rec.dtypes_of(*LOW_EXEC) if d[:2] == [low, low]]) if inner is None else -1
-    step = Step(loss_ref.item(), loss_auto.item(), loss.item(), _grads(ref), _grads(auto),
-                _grads(model), len(graphs), backend.compiled, low_calls, backend, autocast_error)
+    step = Step(
+        loss_ref.item(),
+        loss_auto.item(),
+        loss.item(),
+        _grads(ref),
+        _grads(auto),
+        _grads(model),
+        len(graphs),
+        backend.compiled,
+        low_calls,
+        backend,
+        autocast_error,
+    )
     if step.cosine_below_autocast():
         step.cos_rounded = _rounded_cosine(pristine, inputs, low, step.grads_fp32)
     return step
@@ -159,6 +184,7 @@ def one_step(build, dtype: str = "bf16", options: dict | None = None, inner=None
 def _rounded_cosine(model, inputs: dict, low: torch.dtype, grads_fp32: dict) -> float:
     """Gradient cosine to FP32's of an FP32 step whose parameters and inputs were rounded to
     ``low``: the error no 16-bit computation can avoid."""
+
     def rounded(t):
         return t.to(low).float() if torch.is_tensor(t) and t.dtype == torch.float32 else t
 
@@ -191,6 +217,7 @@ def _cosine_to(grads: dict, grads_fp32: dict) -> float:
 @dataclass
 class Update:
     """One optimizer step through ``make_train_step`` against one FP32 eager step."""
+
     cos: float  # cosine between the two parameter updates
     must_move: set = field(repr=False)  # FP32 moves them clearly
     may_move: set = field(repr=False)  # FP32 moves them at all
@@ -213,8 +240,9 @@ class Update:
         ill = self.cos_rounded is not None and self.cos_rounded < 0.99
         below_autocast = self.cos_autocast is None or self.cos < self.cos_autocast - 0.01
         if self.cos < 0.99 and not ill and below_autocast:
-            against = ("torch.autocast failed" if self.cos_autocast is None
-                       else f"< autocast's {self.cos_autocast:.4f} - 0.01")
+            against = (
+                "torch.autocast failed" if self.cos_autocast is None else f"< autocast's {self.cos_autocast:.4f} - 0.01"
+            )
             out.append(f"update cosine {self.cos:.4f} < 0.99 ({against})")
         if self.low_nodes == 0:
             out.append("the plan has no LOW node")
@@ -262,9 +290,14 @@ def one_update(build, dtype: str = "bf16") -> Update:
     def moved(d, above=0.0):
         return {n for n in names if d[n].numel() and d[n].abs().max().item() > above}
 
-    update = Update(cos, must_move=moved(d_ref, clear), may_move=moved(d_ref), moved=moved(d_amp),
-                    skipped=bool(result.skipped),
-                    low_nodes=step.backend.plan().summary()["nodes"].get("LOW", 0))
+    update = Update(
+        cos,
+        must_move=moved(d_ref, clear),
+        may_move=moved(d_ref),
+        moved=moved(d_amp),
+        skipped=bool(result.skipped),
+        low_nodes=step.backend.plan().summary()["nodes"].get("LOW", 0),
+    )
     if update.cos < 0.99:
         low = LOW_DTYPES[dtype]
         # clipping scaled FP32's gradients as a whole: their direction is unchanged
@@ -273,4 +306,3 @@ def one_update(build, dtype: str = "bf16") -> Update:
         if _autocast_step(pristine, inputs, low)[1] is None:
             update.cos_autocast = _cosine_to(_grads(pristine), grads_fp32)
     return update
-

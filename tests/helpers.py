@@ -25,8 +25,12 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def record(self, op, args, kwargs) -> None:
-        self.calls.append((op, [a.dtype for a in tree_leaves((args, kwargs))
-                                if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+        self.calls.append(
+            (
+                op,
+                [a.dtype for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()],
+            )
+        )
 
     def dtypes_of(self, *packets) -> list[list[torch.dtype]]:
         return [d for p, d in self.calls if p in packets]
@@ -48,8 +52,9 @@ def recording_backend(recorder: OpRecorder, graphs: list | None = None, partitio
         run._boxed_call = True
         return run
 
-    aot = aot_autograd(fw_compiler=run_recorded, bw_compiler=run_recorded,
-                       **({"partition_fn": partition_fn} if partition_fn else {}))
+    aot = aot_autograd(
+        fw_compiler=run_recorded, bw_compiler=run_recorded, **({"partition_fn": partition_fn} if partition_fn else {})
+    )
 
     def inner(gm, example_inputs):
         if graphs is not None:
@@ -130,9 +135,14 @@ class ConvNet(nn.Module):
     def __init__(self, classes=4):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(16, classes)
 

@@ -20,13 +20,30 @@ import amp_compiler.device
 from amp_compiler import AmpBackend, AmpOptionsError
 
 aten = torch.ops.aten
-LOW_EXEC = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
-            aten._scaled_dot_product_flash_attention_for_cpu)
-FP32_EXEC = (aten._softmax, aten._log_softmax, aten.native_layer_norm,
-             aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
-             aten.native_batch_norm, aten.nll_loss_forward, aten.mean, aten.exp, aten.pow,
-             aten.rsqrt, aten._softmax_backward_data, aten._log_softmax_backward_data,
-             aten.native_layer_norm_backward)
+LOW_EXEC = (
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+)
+FP32_EXEC = (
+    aten._softmax,
+    aten._log_softmax,
+    aten.native_layer_norm,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
+    aten.nll_loss_forward,
+    aten.mean,
+    aten.exp,
+    aten.pow,
+    aten.rsqrt,
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    aten.native_layer_norm_backward,
+)
 
 
 def train_step(model, inputs, backend, dynamic=None):
@@ -63,8 +80,7 @@ def check_against_fp32(model, inputs, low="bf16", loss_tol=0.02, cos_min=0.99):
     assert cosine(g, grads(ref)) >= cos_min
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
-    assert graphs and any(n.meta["amp"].inserted for gm in graphs for n in gm.graph.nodes
-                          if "amp" in n.meta)
+    assert graphs and any(n.meta["amp"].inserted for gm in graphs for n in gm.graph.nodes if "amp" in n.meta)
     return rec, backend, ref
 
 
@@ -141,8 +157,7 @@ def test_e2e_mlp_matches_torch_autocast_where_policies_agree():
 
 def test_e2e_mlp_fp16_path():
     """dtype='fp16': matmuls executed in FP16, loss/grad close to FP32."""
-    rec, backend, _ = check_against_fp32(MLPLoss(), (torch.randn(8, 16), torch.randn(8, 4)),
-                                      low="fp16")
+    rec, backend, _ = check_against_fp32(MLPLoss(), (torch.randn(8, 16), torch.randn(8, 4)), low="fp16")
     assert all(d[:2] == [torch.float16] * 2 for d in rec.dtypes_of(aten.addmm, aten.mm))
     assert backend.records[0].dtype == "fp16"
 
@@ -198,22 +213,24 @@ def test_backend_options_through_torch_compile():
     """options={...} reach the backend; the named backend records the graph."""
     before = len(amp_compiler.amp.records)
     model = MLP()
-    out = torch.compile(model, backend="amp", options={"dtype": "fp16", "inner": "eager"})(
-        torch.randn(2, 16))
+    out = torch.compile(model, backend="amp", options={"dtype": "fp16", "inner": "eager"})(torch.randn(2, 16))
     assert out.dtype == torch.float32
     rec = amp_compiler.amp.records[before]
     assert rec.dtype == "fp16" and rec.options.inner == "eager"
 
 
-@pytest.mark.parametrize("options,match", [
-    ({"dtyp": "bf16"}, r"unknown option\(s\) \['dtyp'\]; valid options are \[.*'dtype'"),
-    ({"dtype": "fp8"}, r"dtype='fp8' is not valid; use one of \('bf16', 'fp16', 'fp32', 'auto'\)"),
-    ({"inner": "nope"}, r"inner='nope' is not a torch.compile backend"),
-    ({"fp32_ops": ["aten.nothing"]}, r"no ATen op named 'aten.nothing'"),
-    ({"fp32_modules": ["("]}, r"fp32_modules pattern '\(' is not a regex"),
-    ({"strict": "yes"}, r"strict must be True or False"),
-    ({"attention": "flash"}, r"attention='flash' is not valid; use one of \('auto', 'fused', 'explicit'\)"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"dtyp": "bf16"}, r"unknown option\(s\) \['dtyp'\]; valid options are \[.*'dtype'"),
+        ({"dtype": "fp8"}, r"dtype='fp8' is not valid; use one of \('bf16', 'fp16', 'fp32', 'auto'\)"),
+        ({"inner": "nope"}, r"inner='nope' is not a torch.compile backend"),
+        ({"fp32_ops": ["aten.nothing"]}, r"no ATen op named 'aten.nothing'"),
+        ({"fp32_modules": ["("]}, r"fp32_modules pattern '\(' is not a regex"),
+        ({"strict": "yes"}, r"strict must be True or False"),
+        ({"attention": "flash"}, r"attention='flash' is not valid; use one of \('auto', 'fused', 'explicit'\)"),
+    ],
+)
 def test_options_bad_name_or_value_is_a_clear_error(options, match):
     with pytest.raises(AmpOptionsError, match=match):
         AmpBackend(**options)
@@ -276,8 +293,7 @@ def test_inference_modes(mode):
     expected = model(x)
     backend = AmpBackend(inner="aot_eager")
     compiled = torch.compile(model, backend=backend)
-    ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad,
-           "inference_mode": torch.inference_mode}[mode]
+    ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     with ctx():
         out = compiled(x)
     torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
@@ -318,7 +334,7 @@ class DisabledRegion(nn.Module):
 
 def test_autocast_disabled_region_is_pinned_fp32():
     plan = amp_compiler.explain(DisabledRegion(), torch.randn(4, 8))
-    mm, = plan.by_op("aten.matmul")
+    (mm,) = plan.by_op("aten.matmul")
     assert mm.precision == "FP32" and "autocast(enabled=False)" in mm.reason
     assert plan.by_op("aten.linear")[0].precision == "LOW"
 
@@ -326,14 +342,17 @@ def test_autocast_disabled_region_is_pinned_fp32():
 X86 = {"architecture": "x86_64"}
 
 
-@pytest.mark.parametrize("onednn,flags,native,says", [
-    ((True, False), {**X86, "avx512_bf16": True}, {"bf16"}, "native BF16"),  # Zen4, Cooper Lake
-    ((True, True), {**X86, "amx_bf16": True, "avx512_fp16": True}, {"bf16", "fp16"}, "native BF16"),
-    ((True, False), {**X86, "avx512_f": True}, set(), "no BF16 instructions"),  # Skylake-X, Cascade Lake
-    ((False, False), {**X86, "avx2": True}, set(), "emulates"),  # Zen3: no AVX-512
-    ((False, True), {**X86, "avx512_fp16": True}, {"fp16"}, "native FP16"),
-    ((True, False), None, {"bf16"}, "native BF16"),  # not x86 (ARM with BF16): oneDNN decides
-])
+@pytest.mark.parametrize(
+    "onednn,flags,native,says",
+    [
+        ((True, False), {**X86, "avx512_bf16": True}, {"bf16"}, "native BF16"),  # Zen4, Cooper Lake
+        ((True, True), {**X86, "amx_bf16": True, "avx512_fp16": True}, {"bf16", "fp16"}, "native BF16"),
+        ((True, False), {**X86, "avx512_f": True}, set(), "no BF16 instructions"),  # Skylake-X, Cascade Lake
+        ((False, False), {**X86, "avx2": True}, set(), "emulates"),  # Zen3: no AVX-512
+        ((False, True), {**X86, "avx512_fp16": True}, {"fp16"}, "native FP16"),
+        ((True, False), None, {"bf16"}, "native BF16"),  # not x86 (ARM with BF16): oneDNN decides
+    ],
+)
 def test_cpu_native_dtypes_need_the_instructions_not_only_onednn(onednn, flags, native, says):
     """oneDNN says BF16 for any AVX-512 CPU; without BF16 instructions it computes in FP32
     after converting, no faster than FP32, so auto must not pick it there."""
@@ -344,8 +363,9 @@ def test_cpu_native_dtypes_need_the_instructions_not_only_onednn(onednn, flags, 
 def test_auto_dtype_without_bf16_is_fp32_for_the_backend_alone(monkeypatch):
     """Only FP16 native (a V100): the backend alone cannot scale the loss, so auto keeps FP32
     and says how to get FP16 (the training step picks FP16 with loss scaling there)."""
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset({"fp16"}), "fake device without BF16"))
+    monkeypatch.setattr(
+        amp_compiler.device, "native_dtypes", lambda device: (frozenset({"fp16"}), "fake device without BF16")
+    )
     backend = AmpBackend(inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
     rec = backend.records[0]
@@ -358,8 +378,7 @@ def test_auto_dtype_without_bf16_is_fp32_for_the_backend_alone(monkeypatch):
 
 
 def test_auto_dtype_picks_bf16_when_supported(monkeypatch):
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset({"bf16", "fp16"}), "fake BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset({"bf16", "fp16"}), "fake BF16"))
     backend = AmpBackend(dtype="auto", inner="eager")
     torch.compile(MLP(), backend=backend)(torch.randn(2, 16))
     assert backend.records[0].dtype == "bf16"
@@ -369,8 +388,7 @@ def test_auto_dtype_picks_bf16_when_supported(monkeypatch):
 def test_auto_dtype_is_fp32_without_fast_16_bit_and_hands_the_graph_on(monkeypatch):
     """No native BF16/FP16: Dynamo's graph reaches the inner compiler as it came, nothing
     executes in 16 bit, and the plan that was not applied is recorded with the reason."""
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset(), "fake CPU emulating 16 bit"))
     seen = []
 
     def inner(gm, example_inputs):
@@ -404,8 +422,7 @@ def test_fp32_path_keeps_inductors_partition_unless_a_budget_is_asked_for(monkey
         return lambda gm, ex: gm.forward
 
     monkeypatch.setattr(amp_compiler.backend, "inner_compiler", inner)
-    for native, options in ((frozenset(), {}), (frozenset({"bf16"}), {}),
-                            (frozenset(), {"memory_budget": 0.5})):
+    for native, options in ((frozenset(), {}), (frozenset({"bf16"}), {}), (frozenset(), {"memory_budget": 0.5})):
         monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d, n=native: (n, "fake"))
         torch._dynamo.reset()
         torch.compile(MLP(), backend=AmpBackend(**options))(torch.randn(2, 16))
@@ -417,8 +434,7 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
     passes (here the ReLU mask recomputed in backward): same loss and gradients as plain
     ``torch.compile``, to FP32 rounding. (30 Hugging Face models from tests/fixtures/zoo.py
     agreed the same way in an ad-hoc run.)"""
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset(), "fake CPU emulating 16 bit"))
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
     x = torch.randn(2, 12, 16)
@@ -446,8 +462,7 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
 
 
 def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_factor(monkeypatch, caplog):
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset(), "fake CPU emulating 16 bit"))
     monkeypatch.setattr(amp_compiler.device, "_warned", set())
     rec = OpRecorder()
     with caplog.at_level("WARNING", logger="amp_compiler"):
@@ -461,15 +476,18 @@ def test_explicit_bf16_on_an_emulating_device_runs_and_warns_once_with_the_facto
     assert any(call[:2] == [torch.bfloat16] * 2 for call in rec.dtypes_of(aten.addmm, aten.mm))
 
 
-@pytest.mark.parametrize("around,asked,plan,matmuls", [
-    (torch.bfloat16, "auto", "bf16", torch.bfloat16),  # amp not told a dtype: autocast's is asked
-    (torch.float16, "bf16", "bf16", torch.float16),  # autocast's casts stay: its matmuls FP16
-    (torch.bfloat16, "fp32", "fp32", torch.bfloat16),  # FP32 asked: autocast's program as written
-])
+@pytest.mark.parametrize(
+    "around,asked,plan,matmuls",
+    [
+        (torch.bfloat16, "auto", "bf16", torch.bfloat16),  # amp not told a dtype: autocast's is asked
+        (torch.float16, "bf16", "bf16", torch.float16),  # autocast's casts stay: its matmuls FP16
+        (torch.bfloat16, "fp32", "fp32", torch.bfloat16),  # FP32 asked: autocast's program as written
+    ],
+)
 @pytest.mark.parametrize("backward_inside", [False, True])
-def test_called_under_the_users_autocast_is_a_region_of_the_graph(around, asked, plan, matmuls,
-                                                                  backward_inside, caplog,
-                                                                  monkeypatch):
+def test_called_under_the_users_autocast_is_a_region_of_the_graph(
+    around, asked, plan, matmuls, backward_inside, caplog, monkeypatch
+):
     """A training loop that keeps its torch.autocast around the amp-compiled model. Traced
     under the ambient autocast, the pipeline saw autocast's dtypes where the plan had its own and
     refused the graph ('layer_norm computes fp32 but the plan says bf16'). Now the autocast is a
@@ -556,8 +574,10 @@ def test_under_the_users_autocast_what_the_user_configured_still_raises():
     unknown op under strict=True raises as it does without autocast."""
     backend = AmpBackend(dtype="bf16", strict=True, inner="aot_eager")
     fn = torch.compile(lambda x, w: torch.special.bessel_j0(x @ w), backend=backend)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-            Exception, match="AmpPolicyError: unknown op aten.special_bessel_j0"):
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(Exception, match="AmpPolicyError: unknown op aten.special_bessel_j0"),
+    ):
         fn(torch.randn(4, 8), torch.randn(8, 8))
     assert backend.records == []
 
@@ -585,26 +605,30 @@ def test_integer_inputs_and_float64_buffers_untouched():
 
 
 def test_low_precision_outputs_through_compile():
-    out = torch.compile(MLP(), backend=AmpBackend(inner="eager", low_precision_outputs=True))(
-        torch.randn(2, 16))
+    out = torch.compile(MLP(), backend=AmpBackend(inner="eager", low_precision_outputs=True))(torch.randn(2, 16))
     assert out.dtype == torch.bfloat16
 
 
 def test_dump_dir_writes_graph_after_each_pass(tmp_path):
-    torch.compile(MLP(), backend=AmpBackend(inner="eager", dump_dir=str(tmp_path)))(
-        torch.randn(2, 16))
+    torch.compile(MLP(), backend=AmpBackend(inner="eager", dump_dir=str(tmp_path)))(torch.randn(2, 16))
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["graph0_0_decompose_attention.txt", "graph0_1_tag_precision.txt",
-                     "graph0_2_place_flexible.txt", "graph0_3_insert_casts.txt",
-                     "graph0_4_fold_casts.txt", "graph0_5_verify_plan.txt"]
+    assert names == [
+        "graph0_0_decompose_attention.txt",
+        "graph0_1_tag_precision.txt",
+        "graph0_2_place_flexible.txt",
+        "graph0_3_insert_casts.txt",
+        "graph0_4_fold_casts.txt",
+        "graph0_5_verify_plan.txt",
+    ]
     assert "_to_copy" in (tmp_path / "graph0_3_insert_casts.txt").read_text()
 
 
 @pytest.mark.parametrize("mode", ["train", "eval_no_grad"])
 def test_nn_transformer_train_and_fast_path(mode):
     """nn.Transformer: matmuls LOW when training; the fused eval fast path is FP32, not unknown."""
-    m = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
-                       dim_feedforward=64, dropout=0, batch_first=True)
+    m = nn.Transformer(
+        d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0, batch_first=True
+    )
     src, tgt = torch.randn(2, 8, 32), torch.randn(2, 6, 32)
     backend = AmpBackend(inner="aot_eager")
     ctx = torch.enable_grad
@@ -714,6 +738,7 @@ def test_cpu_sdpa_over_short_sequences_runs_as_bf16_matmuls():
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(aten.bmm))
     assert not rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
 
+
 def test_attention_explicit_runs_a_long_sdpa_as_bf16_matmuls():
     """attention="explicit" writes out an SDPA that "auto" keeps fused (2048^2 scores): the
     matmuls that execute are BF16 and the flash kernel does not run."""
@@ -741,8 +766,9 @@ class Literal(nn.Module):
 
 
 def _conv_bn():
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 6 * 6, 2)), torch.randn(2, 3, 8, 8)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)
+    ), torch.randn(2, 3, 8, 8)
 
 
 def _static_input_indices(compile_and_run) -> tuple[list, list]:
@@ -768,13 +794,13 @@ def _static_input_indices(compile_and_run) -> tuple[list, list]:
     return seen_with(lambda inner: inner), seen_with(lambda inner: AmpBackend(dtype="bf16", inner=inner))
 
 
-@pytest.mark.parametrize("build", [_conv_bn, lambda: (Literal(), torch.randn(2, 4))],
-                         ids=["conv-bn", "tensor-literal"])
+@pytest.mark.parametrize("build", [_conv_bn, lambda: (Literal(), torch.randn(2, 4))], ids=["conv-bn", "tensor-literal"])
 def test_parameters_reach_the_inner_compiler_as_static_inputs_as_under_plain_compile(build):
     """The graph amp hands on carries Dynamo's input metadata: AOTAutograd marks the same
     inputs static (parameters, buffers) as for plain torch.compile. Without it the
     partitioner prices saving a parameter like an activation and CUDA graphs copy every
     parameter in on each call."""
+
     def compile_and_run(backend):
         model, x = build()
         torch.compile(model, backend=backend)(x).float().sum().backward()
@@ -785,11 +811,15 @@ def test_parameters_reach_the_inner_compiler_as_static_inputs_as_under_plain_com
     assert plain == ours and len(ours) == 1 and len(ours[0][0]) >= n_params, (plain, ours)
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2),
-    lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
-    lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-], ids=["sgd-momentum", "adamw", "adam-foreach"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    ],
+    ids=["sgd-momentum", "adamw", "adam-foreach"],
+)
 def test_optimizer_step_compiled_with_amp_updates_as_eager(make):
     """Dynamo's graph of an optimizer step reads the parameters and their state off the module
     and updates them in place: amp traces them as inputs (refused by the fake mode before;
@@ -831,6 +861,7 @@ def test_compiled_autograd_backward_graph_goes_on_as_written():
         def run(*args):
             with recorder:
                 return gm(*args)
+
         return run
 
     torch._dynamo.reset()
@@ -842,8 +873,10 @@ def test_compiled_autograd_backward_graph_goes_on_as_written():
     for p, q in zip(plain.parameters(), ours.parameters()):
         assert q.grad.dtype == torch.float32
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
-    assert backward.records and all(not r.plan.applied and r.dtype == "bf16" and
-                                    "compiled autograd" in r.plan.dtype_reason for r in backward.records)
+    assert backward.records and all(
+        not r.plan.applied and r.dtype == "bf16" and "compiled autograd" in r.plan.dtype_reason
+        for r in backward.records
+    )
     matmuls = recorder.dtypes_of(torch.ops.aten.mm)
     assert matmuls and all(dtypes == [torch.bfloat16] * 2 for dtypes in matmuls)
 
@@ -858,8 +891,7 @@ def test_parameters_held_on_the_graph_module_are_planned_and_trained(gradient_fl
     eager(x).float().pow(2).mean().backward()
     recorder = OpRecorder()
     backend = AmpBackend(dtype="bf16", inner=recording_backend(recorder))
-    with torch._dynamo.config.patch(install_free_tensors=True), \
-            caplog.at_level("WARNING", logger="amp_compiler"):
+    with torch._dynamo.config.patch(install_free_tensors=True), caplog.at_level("WARNING", logger="amp_compiler"):
         torch.compile(model, backend=backend)(x).float().pow(2).mean().backward()
     graph = backend.records[0].graph
     assert graph.graph.find_nodes(op="get_attr")  # the parameters were attributes indeed
@@ -875,6 +907,7 @@ def test_parameters_held_on_the_graph_module_are_planned_and_trained(gradient_fl
 def test_optimizer_step_marks_the_same_inputs_static_as_plain_compile():
     """The parameters and state an optimizer step reads off its module reach AOTAutograd as
     static inputs, as under plain torch.compile (CUDA graphs would copy them in otherwise)."""
+
     def compile_and_run(backend):
         model = MLP()
         opt = torch.optim.AdamW(model.parameters(), foreach=False)

@@ -56,9 +56,29 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     # bf16 asked for: the rewrite is checked on any CPU (tiny, so cheap where BF16 is emulated)
-    assert bench.main(["--size", "tiny", "--dtype", "bf16", "--workloads", "lm-explicit", "--variants",
-                       "fp32-eager,amp-step", "--reps", "2", "--steps", "1",
-                       "--json", str(out), "--plot", str(png)]) == 0
+    assert (
+        bench.main(
+            [
+                "--size",
+                "tiny",
+                "--dtype",
+                "bf16",
+                "--workloads",
+                "lm-explicit",
+                "--variants",
+                "fp32-eager,amp-step",
+                "--reps",
+                "2",
+                "--steps",
+                "1",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())
     runs = results["workloads"]["lm-explicit"]["variants"]
     assert set(runs) == {"fp32-eager", "amp-step"}
@@ -93,14 +113,35 @@ def test_paired_ratio_cancels_drift_between_repetitions():
 def test_table_of_a_run_without_16_bit_variants_compares_with_inductor_fp32():
     # auto where 16 bit is emulated: amp runs FP32, and its target is Inductor FP32's step
     run = {"fp32-inductor": [100.0, 200.0], "amp": [104.0, 190.0]}
-    workload = {"variants": {name: {"step_ms": statistics.median(s), "step_ms_samples": s,
-                                    "infer_ms": 1.0, "saved_bytes": 2**20, "first_call_s": 1.0,
-                                    "casts": 0} for name, s in run.items()}}
+    workload = {
+        "variants": {
+            name: {
+                "step_ms": statistics.median(s),
+                "step_ms_samples": s,
+                "infer_ms": 1.0,
+                "saved_bytes": 2**20,
+                "first_call_s": 1.0,
+                "casts": 0,
+            }
+            for name, s in run.items()
+        }
+    }
     assert bench.baseline(workload) == "fp32-inductor"
     amp = dict(zip(("variant",) + bench.COLUMNS, bench.rows(workload)[1]))
     assert amp["vs {base}"] == f"{147.0 / 150.0:.2f}" and amp["paired"] == f"{(1.04 + 0.95) / 2:.2f}"
-    text = bench.markdown({"machine": {"date": "d", "cpu": "c", "cpu_kind": "k", "threads": 2,
-                                       "torch": "t", "dtype": "fp32", "dtype_reason": "r",
-                                       "command": "python tools/bench.py"},
-                           "workloads": {"lm": workload}})
+    text = bench.markdown(
+        {
+            "machine": {
+                "date": "d",
+                "cpu": "c",
+                "cpu_kind": "k",
+                "threads": 2,
+                "torch": "t",
+                "dtype": "fp32",
+                "dtype_reason": "r",
+                "command": "python tools/bench.py",
+            },
+            "workloads": {"lm": workload},
+        }
+    )
     assert "| vs fp32-inductor |" in text and "autocast+inductor |" not in text

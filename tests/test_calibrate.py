@@ -97,8 +97,7 @@ def test_policy_file_round_trip_reasons_and_explicit_options_win(tmp_path, caplo
 
     torch._dynamo.reset()  # what executes: the pinned module's matmuls in FP32, the rest in BF16
     rec = OpRecorder()
-    torch.compile(Cancelling(), backend=AmpBackend(policy_file=str(path), inner=recording_backend(rec)))(
-        batches(1)[0])
+    torch.compile(Cancelling(), backend=AmpBackend(policy_file=str(path), inner=recording_backend(rec)))(batches(1)[0])
     ran = rec.dtypes_of(torch.ops.aten.addmm)
     assert ran.count([torch.float32] * 3) == 2 and ran.count([torch.bfloat16] * 3) == 2
 
@@ -106,28 +105,35 @@ def test_policy_file_round_trip_reasons_and_explicit_options_win(tmp_path, caplo
     backend = AmpBackend(policy_file=str(path), fp32_modules=[r"^out$"], inner="eager")
     torch.compile(Cancelling(), backend=backend)(batches(1)[0])
     assert "explicit fp32_modules given beside it win" in backend.records[0].dtype_reason
-    assert {n.module for n in backend.plan().nodes if n.precision == "FP32" and
-            n.op.startswith("aten.linear")} == {"out"}
+    assert {n.module for n in backend.plan().nodes if n.precision == "FP32" and n.op.startswith("aten.linear")} == {
+        "out"
+    }
 
     torch._dynamo.reset()
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
         for _ in range(2):
             torch._dynamo.reset()
-            torch.compile(MLP(), backend=AmpBackend(policy_file=str(path), inner="eager"))(
-                torch.randn(2, 16))
+            torch.compile(MLP(), backend=AmpBackend(policy_file=str(path), inner="eager"))(torch.randn(2, 16))
     warned = [r for r in caplog.records if "calibrated on another graph" in r.getMessage()]
     assert len(warned) == 1
 
 
-@pytest.mark.parametrize("content, match", [
-    ("{not json", "not valid JSON"),
-    ('{"format": "amp-policy", "version": 9}', "format version 9"),
-    ('{"format": "something"}', "not an amp policy file"),
-    ('{"format": "amp-policy", "version": 1, "pins": [{"option": "fp32_modules", "pattern": "("}]}',
-     "not a valid regex"),
-    ('{"format": "amp-policy", "version": 1, "pins": [{"option": "fp32_nodes", "pattern": "x"}]}',
-     "needs \"option\""),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"format": "amp-policy", "version": 9}', "format version 9"),
+        ('{"format": "something"}', "not an amp policy file"),
+        (
+            '{"format": "amp-policy", "version": 1, "pins": [{"option": "fp32_modules", "pattern": "("}]}',
+            "not a valid regex",
+        ),
+        (
+            '{"format": "amp-policy", "version": 1, "pins": [{"option": "fp32_nodes", "pattern": "x"}]}',
+            'needs "option"',
+        ),
+    ],
+)
 def test_bad_policy_file_is_a_one_line_error(tmp_path, content, match):
     path = tmp_path / "p.json"
     path.write_text(content)
@@ -139,23 +145,23 @@ def test_bad_policy_file_is_a_one_line_error(tmp_path, content, match):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "amp_compiler", *args], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", "amp_compiler", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_cli_calibrate_writes_the_policy_and_inspect_reads_it(tmp_path, capsys):
     fixture = str(tmp_path / "cancel.py")
     with open(fixture, "w") as f:
         here = str(__file__.rsplit("/", 1)[0])
-        f.write(f"import sys\nsys.path.insert(0, {here!r})\nfrom test_calibrate import Cancelling, batches\n"
-                "import torch\n\ndef make():\n    return Cancelling(), (torch.randn(8, 8),)\n")
+        f.write(
+            f"import sys\nsys.path.insert(0, {here!r})\nfrom test_calibrate import Cancelling, batches\n"
+            "import torch\n\ndef make():\n    return Cancelling(), (torch.randn(8, 8),)\n"
+        )
     out = tmp_path / "amp-policy.json"
     r = run_cli("calibrate", f"{fixture}:make", "-o", str(out), "--batches", "2")
     assert r.returncode == 0, r.stderr
     assert "diff" in r.stdout and "error before" in r.stdout
     assert json.loads(out.read_text())["pins"]
-    code, stdout, err = cli_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(out),
-                                 "--format", "json")
+    code, stdout, err = cli_here(capsys, "inspect", f"{fixture}:make", "--policy-file", str(out), "--format", "json")
     assert code == 0, err
     reasons = [n["reason"] for n in json.loads(stdout)["nodes"] if n["module"] == "diff.a"]
     assert any("policy file" in x for x in reasons)

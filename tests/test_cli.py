@@ -25,8 +25,9 @@ OVERFLOW = os.path.join(HERE, "fixtures", "overflow_model.py")
 
 
 def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "amp_compiler", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "amp_compiler", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def ok(*args):
@@ -57,7 +58,8 @@ def test_cli_inspect_default_is_a_module_tree_that_fits_a_terminal(tmp_path, cap
         "import torch, transformers\n"
         "def make():\n"
         "    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)\n"
-        "    return transformers.GPT2LMHeadModel(cfg), {'input_ids': torch.randint(0, 96, (2, 16))}\n")
+        "    return transformers.GPT2LMHeadModel(cfg), {'input_ids': torch.randint(0, 96, (2, 16))}\n"
+    )
     tree = ok_here(capsys, "inspect", f"{factory}:make")
     full = ok_here(capsys, "inspect", f"{factory}:make", "--all")
     floats = ok_here(capsys, "inspect", f"{factory}:make", "--nodes")
@@ -81,7 +83,8 @@ def test_cli_inspect_says_when_dynamo_compiled_nothing(tmp_path, capsys):
         "    def forward(self, x):\n"
         "        return self.fc(x)\n"
         "def make():\n"
-        "    return M(), torch.randn(2, 8)\n")
+        "    return M(), torch.randn(2, 8)\n"
+    )
     assert "Dynamo compiled no graph of this model" in ok_here(capsys, "inspect", f"{factory}:make")
     code, out, err = cli_here(capsys, "inspect", f"{factory}:make", "--format", "json")
     assert code == 0
@@ -107,7 +110,8 @@ def test_cli_inspect_names_parameters_left_outside_every_graph(tmp_path, capsys)
         "    def forward(self, x):\n"
         "        return self.route(self.inp(x))\n"
         "def make():\n"
-        "    return M(), torch.randn(6, 8)\n")
+        "    return M(), torch.randn(6, 8)\n"
+    )
     code, out, err = cli_here(capsys, "inspect", f"{factory}:make")
     assert code == 0 and "LOW 1" in out  # inp compiled; the routing ran eagerly
     assert "taken by no compiled graph" in err and "experts.0.weight" in err and "inp.weight" not in err
@@ -173,10 +177,22 @@ def test_cli_inspect_html_is_well_formed_and_renders(tmp_path, capsys):
 
 
 def _chromium(chromium, tmp_path, *args):
-    return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           "--disable-background-networking", "--disable-component-update",
-                           f"--user-data-dir={tmp_path / 'profile'}", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_path, capsys):
@@ -198,7 +214,8 @@ def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_pat
         "            x = b(x)\n"
         "        return x\n"
         "def make():\n"
-        "    return Deep(), torch.randn(2, 16)\n")
+        "    return Deep(), torch.randn(2, 16)\n"
+    )
     tree = ok_here(capsys, "inspect", f"{factory}:make")  # the terminal view folds the 48 alike blocks
     assert "0 .. 47: 48 alike" in tree and len(tree.splitlines()) < 30
     out = tmp_path / "deep.html"
@@ -217,14 +234,14 @@ def test_cli_inspect_html_of_a_48_layer_model_is_small_and_quick_to_open(tmp_pat
 
 
 def test_cli_inspect_inputs_from_command_line(capsys):
-    out = ok_here(capsys, "inspect", f"{MODELS}:tiny_model_only", "--input", "2x8:int64:0-50",
-             "--format", "json")
+    out = ok_here(capsys, "inspect", f"{MODELS}:tiny_model_only", "--input", "2x8:int64:0-50", "--format", "json")
     assert json.loads(out)["nodes"]
 
 
 def test_cli_inspect_fp16_and_pins(capsys):
-    plan = json.loads(ok_here(capsys, "inspect", f"{MODELS}:tiny", "--dtype", "fp16", "--fp32-module", "^head$",
-                         "--format", "json"))
+    plan = json.loads(
+        ok_here(capsys, "inspect", f"{MODELS}:tiny", "--dtype", "fp16", "--fp32-module", "^head$", "--format", "json")
+    )
     assert plan["dtype"] == "fp16"
     head = [n for n in plan["nodes"] if n["module"] == "head"]
     assert head and all(n["precision"] == "FP32" for n in head)
@@ -242,19 +259,22 @@ def test_cli_doctor_clean_model_needs_no_pins(capsys):
     assert "first Inf/NaN: none" in out and "no pins needed" in out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["inspect", "nope/missing.py:make"], "no such file: 'nope/missing.py'"),
-    (["inspect", "no_such_pkg_xyz:make"], "cannot import module 'no_such_pkg_xyz'"),
-    (["inspect", f"{MODELS}:broken"], "failed: RuntimeError: weights not found"),
-    (["inspect", f"{MODELS}:absent"], "has no callable 'absent'"),
-    (["inspect", f"{MODELS}:tiny_model_only"], "returned no example inputs"),
-    (["inspect", f"{MODELS}:tiny_model_only", "--input", "2by8"], "write SHAPE[:DTYPE"),
-    (["inspect", f"{MODELS}"], "must be 'package.module:factory'"),
-    (["inspect", f"{MODELS}:tiny", "--format", "svg"], "invalid choice: 'svg'"),
-    (["inspect", "missing.onnx"], "no such file: 'missing.onnx'"),
-    (["doctor", f"{MODELS}:broken"], "weights not found"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["inspect", "nope/missing.py:make"], "no such file: 'nope/missing.py'"),
+        (["inspect", "no_such_pkg_xyz:make"], "cannot import module 'no_such_pkg_xyz'"),
+        (["inspect", f"{MODELS}:broken"], "failed: RuntimeError: weights not found"),
+        (["inspect", f"{MODELS}:absent"], "has no callable 'absent'"),
+        (["inspect", f"{MODELS}:tiny_model_only"], "returned no example inputs"),
+        (["inspect", f"{MODELS}:tiny_model_only", "--input", "2by8"], "write SHAPE[:DTYPE"),
+        (["inspect", f"{MODELS}"], "must be 'package.module:factory'"),
+        (["inspect", f"{MODELS}:tiny", "--format", "svg"], "invalid choice: 'svg'"),
+        (["inspect", "missing.onnx"], "no such file: 'missing.onnx'"),
+        (["doctor", f"{MODELS}:broken"], "weights not found"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
 def test_cli_errors_exit_2_with_one_line(capsys, args, message):
     code, _, err = cli_here(capsys, *args)
     assert code == 2, (code, err)
@@ -263,10 +283,13 @@ def test_cli_errors_exit_2_with_one_line(capsys, args, message):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["inspect", f"{MODELS}:broken"], "failed: RuntimeError: weights not found"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["inspect", f"{MODELS}:broken"], "failed: RuntimeError: weights not found"),
+    ],
+)
 def test_cli_errors_exit_2_with_one_line_from_a_fresh_process(args, message):
     # what a shell sees: exit status and stderr of the real entry point, import-time noise included
     res = cli(*args)
@@ -287,18 +310,19 @@ def _bf16_onnx(path, with_reduce=False):
     from onnx import TensorProto as T
     from onnx import helper
 
-    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=T.BFLOAT16),
-             helper.make_node("MatMul", ["xb", "w"], ["m"]),
-             helper.make_node("Cast", ["m"], ["mf"], to=T.FLOAT),
-             helper.make_node("Softmax", ["mf"], ["y"], axis=-1)]
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xb"], to=T.BFLOAT16),
+        helper.make_node("MatMul", ["xb", "w"], ["m"]),
+        helper.make_node("Cast", ["m"], ["mf"], to=T.FLOAT),
+        helper.make_node("Softmax", ["mf"], ["y"], axis=-1),
+    ]
     if with_reduce:
         nodes.append(helper.make_node("ReduceMean", ["m"], ["r"], keepdims=1))
     w = helper.make_tensor("w", T.BFLOAT16, [4, 4], [0x3F80] * 16)
     outputs = [helper.make_tensor_value_info("y", T.FLOAT, [2, 4])]
     if with_reduce:
         outputs.append(helper.make_tensor_value_info("r", T.BFLOAT16, None))
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])], outputs,
-                          initializer=[w])
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])], outputs, initializer=[w])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]), str(path))
 
 

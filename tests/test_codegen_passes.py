@@ -67,8 +67,7 @@ def test_random_masks_are_left_to_the_partitioner():
     r = graph.call_function(aten.rand_like.default, (x,))
     m = graph.call_function(aten.lt.Scalar, (r, 0.9))
     y = graph.call_function(aten.le.Scalar, (x, 0))
-    graph.output((graph.call_function(aten.mul.Tensor, (t, m)),
-                  graph.call_function(aten.mul.Tensor, (t, y))))
+    graph.output((graph.call_function(aten.mul.Tensor, (t, m)), graph.call_function(aten.mul.Tensor, (t, y))))
     fake = torch._subclasses.FakeTensorMode()
     with fake:
         vals = {"x": torch.empty(4), "tangents_1": torch.empty(4)}
@@ -125,7 +124,6 @@ def test_broadcast_bmm_control_without_the_pass(monkeypatch, no_caches):
         assert "aten::bmm" in executed(compiled, x)[1]
 
 
-
 def test_compiled_graphs_stay_cacheable(no_caches):
     """The custom passes and the partitioner carry stable cache keys: neither Inductor's FX
     graph cache nor AOTAutograd's cache is bypassed (a bypass recompiles every graph in every
@@ -133,8 +131,7 @@ def test_compiled_graphs_stay_cacheable(no_caches):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    with torch._inductor.config.patch(fx_graph_cache=True), \
-            torch._functorch.config.patch(enable_autograd_cache=True):
+    with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
         model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 8))
         compiled = torch.compile(model, backend=AmpBackend(dtype="bf16", inner="inductor"))
         compiled(torch.randint(0, 64, (4, 12))).float().sum().backward()
@@ -164,8 +161,9 @@ def test_dropout_on_cpu_draws_eagers_masks_with_atens_kernel(no_caches):
     torch.manual_seed(7)
     with profile() as prof:
         ours = compiled(x)
-    assert "aten::native_dropout" in {e.name for e in prof.events()} or \
-        "aten::bernoulli_" in {e.name for e in prof.events()}
+    assert "aten::native_dropout" in {e.name for e in prof.events()} or "aten::bernoulli_" in {
+        e.name for e in prof.events()
+    }
     torch.manual_seed(7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(x)
@@ -201,8 +199,8 @@ class GeluBlocks(nn.Module):
     def __init__(self, d=32, n=2):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-            for _ in range(n))
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
 
     def forward(self, x):
         for block in self.blocks:

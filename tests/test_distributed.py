@@ -30,19 +30,18 @@ def _worker(rank, port, scenario, results):
         # a mixed fleet: rank 0 has BF16; rank 1 has FP16 only, or (scenario "auto-fp32")
         # no fast 16 bit at all
         rank1 = frozenset() if scenario == "auto-fp32" else frozenset({"fp16"})
-        device.native_dtypes = lambda d: (frozenset({"bf16", "fp16"}) if rank == 0 else rank1,
-                                          f"fake rank {rank}")
+        device.native_dtypes = lambda d: (frozenset({"bf16", "fp16"}) if rank == 0 else rank1, f"fake rank {rank}")
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dtype = {"auto": "auto", "auto-fp32": "auto", "pins": "bf16"}.get(
-            scenario, "bf16" if rank == 0 else "fp16")
+        dtype = {"auto": "auto", "auto-fp32": "auto", "pins": "bf16"}.get(scenario, "bf16" if rank == 0 else "fp16")
         options = {"inner": "eager"}
         if scenario == "pins" and rank == 1:
             options["fp32_modules"] = ["^0$"]  # this rank alone pins the first Linear
         try:
-            step = amp_compiler.make_train_step(model, opt, torch.nn.functional.mse_loss,
-                                                dtype=dtype, compile_options=options)
+            step = amp_compiler.make_train_step(
+                model, opt, torch.nn.functional.mse_loss, dtype=dtype, compile_options=options
+            )
             step(torch.randn(8, 4), torch.randn(8, 1))
             results[rank] = ("ok", step.dtype, step.dtype_reason, step.plan_fingerprint)
         except PrecisionMismatchError as e:
@@ -95,19 +94,26 @@ def _ddp_worker(rank, port, results):
         out = {}
         for comm in ("fp32", "bf16"):
             torch.manual_seed(0)
-            model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
-                                            torch.nn.Linear(64, 1)))
+            model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
             step = amp_compiler.make_train_step(
-                model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-2),
+                torch.nn.functional.mse_loss,
                 config={"bf16": {"enabled": True}, "gradient_clipping": 1.0},  # DeepSpeed-style
-                ddp_comm_dtype=comm, compile_options={"inner": "eager"})
+                ddp_comm_dtype=comm,
+                compile_options={"inner": "eager"},
+            )
             assert step.dtype == "bf16" and step.max_grad_norm == 1.0
             g = torch.Generator().manual_seed(rank)
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
             losses = [step(x, y).loss.item() for _ in range(5)]
             low = [n for n in step.backend.plan().nodes if n.precision == "LOW"]
-            out[comm] = (losses, step.comm.bytes, [p.detach().clone() for p in model.parameters()],
-                         all(p.dtype == torch.float32 for p in model.parameters()) and bool(low))
+            out[comm] = (
+                losses,
+                step.comm.bytes,
+                [p.detach().clone() for p in model.parameters()],
+                all(p.dtype == torch.float32 for p in model.parameters()) and bool(low),
+            )
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -153,21 +159,30 @@ def _fsdp_worker(rank, port, results):
         fully_shard(model)
         rec = OpRecorder()
         step = amp_compiler.make_train_step(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
-            dtype="bf16", max_grad_norm=1.0, compile_options={"inner": recording_backend(rec)})
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            torch.nn.functional.mse_loss,
+            dtype="bf16",
+            max_grad_norm=1.0,
+            compile_options={"inner": recording_backend(rec)},
+        )
         losses, skipped = [], []
         for i, (x, y) in enumerate(_fsdp_batches()):
-            x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+            x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
             if i == 3 and rank == 1:
                 y = y * float("inf")  # one rank's gradients go non-finite
             r = step(x, y)
             losses.append(r.loss.item())
             skipped.append(r.skipped)
-        low = [c for c in rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm)
-               if c[:2] == [torch.bfloat16] * 2]
-        results[rank] = (losses, skipped, [p.full_tensor().detach() for p in model.parameters()], len(low),
-                         {type(p).__name__ for p in model.parameters()},
-                         all(p.dtype == torch.float32 for p in model.parameters()))
+        low = [c for c in rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm) if c[:2] == [torch.bfloat16] * 2]
+        results[rank] = (
+            losses,
+            skipped,
+            [p.full_tensor().detach() for p in model.parameters()],
+            len(low),
+            {type(p).__name__ for p in model.parameters()},
+            all(p.dtype == torch.float32 for p in model.parameters()),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -220,18 +235,26 @@ def _fsdp_mp_worker(rank, port, results):
 
         collectives.DefaultAllGather.__call__ = counting
         out = {}
-        for name, mp in (("fp32", None), ("bf16", MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False))):
+        for name, mp in (
+            ("fp32", None),
+            (
+                "bf16",
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False),
+            ),
+        ):
             gathered[0] = 0
             model = _fsdp_model()
             for module in (model[0], model[2], model):
                 fully_shard(module, **({"mp_policy": mp} if mp else {}))
             step = amp_compiler.make_train_step(
-                model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss,
-                dtype="bf16", compile_options={"inner": "aot_eager"})
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-2),
+                torch.nn.functional.mse_loss,
+                dtype="bf16",
+                compile_options={"inner": "aot_eager"},
+            )
             x, y = _fsdp_batches()[0]
-            losses = [step(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]).loss.item()
-                      for _ in range(3)]
+            losses = [step(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]).loss.item() for _ in range(3)]
             linears = [n for n in step.backend.plan().nodes if n.op.startswith("aten.linear")]
             out[name] = (gathered[0], losses, [(n.precision, n.casts) for n in linears])
         results[rank] = out

@@ -54,8 +54,7 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, executed):
         try:
             exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
         except Exception as e:
-            raise AssertionError(f"{page.name}, Python block {i} failed: {type(e).__name__}: {e}\n"
-                                 f"{block}") from e
+            raise AssertionError(f"{page.name}, Python block {i} failed: {type(e).__name__}: {e}\n{block}") from e
     if page.name in RUNS_16_BIT:
         low = [d for d in executed.dtypes_of(*MATMULS) if d and d[0] in (torch.bfloat16, torch.float16)]
         assert low, f"{page.name} compiles through amp, yet no 16-bit matmul executed"
@@ -75,8 +74,9 @@ def test_options_page_is_generated_from_amp_options():
     spec = importlib.util.spec_from_file_location("gen", ROOT / "tools" / "gen_options_doc.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (ROOT / "docs" / "options.md").read_text() == gen.render(), \
+    assert (ROOT / "docs" / "options.md").read_text() == gen.render(), (
         "docs/options.md is stale: run python tools/gen_options_doc.py"
+    )
 
 
 def test_readme_stays_a_front_door():

@@ -229,7 +229,8 @@ def test_ops_beside_the_block_are_named_in_the_tables():
     assert by_op["median"].precision == "PASSTHROUGH" and by_op["isnan"].precision == "PASSTHROUGH"
     assert by_op["bucketize"].precision == "PROMOTE"
     assert rec.dtypes_of(aten._linalg_solve_ex) and all(
-        d[0] == torch.float32 for d in rec.dtypes_of(aten._linalg_solve_ex))
+        d[0] == torch.float32 for d in rec.dtypes_of(aten._linalg_solve_ex)
+    )
     assert any(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
     assert cosine(grads(model), grads(ref)) >= 0.999
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
@@ -247,8 +248,9 @@ class FlexBlock(nn.Module):
 
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = flex_attention(q, k, v, block_mask=block_mask,
-                           score_mod=lambda s, b_, h, qi, ki: s - (qi - ki).abs() * 0.01)
+        y = flex_attention(
+            q, k, v, block_mask=block_mask, score_mod=lambda s, b_, h, qi, ki: s - (qi - ki).abs() * 0.01
+        )
         return x + self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -279,8 +281,7 @@ def test_flex_attention_inference_runs_as_written_in_fp32():
 def test_custom_function_body_runs_in_fp32_program_dtypes():
     """The Function's forward receives FP32 although the Linear before it ran in BF16."""
     rec = OpRecorder()
-    torch.compile(CustomFunction(), backend=AmpBackend(inner=recording_backend(rec)))(
-        torch.randn(4, 8)).backward()
+    torch.compile(CustomFunction(), backend=AmpBackend(inner=recording_backend(rec)))(torch.randn(4, 8)).backward()
     sigmoid = rec.dtypes_of(aten.sigmoid)
     assert sigmoid and all(d == [torch.float32] for d in sigmoid), sigmoid
 
@@ -486,11 +487,11 @@ def test_gradient_flow_is_checked_under_dynamic_shapes(gradient_flow_runs, caplo
 def test_unknown_higher_order_op_runs_as_written():
     """torch.cond is no op the backend rewrites: it stays one node, fed FP32, grads intact."""
 
-    branchy = Sandwich(lambda y: torch.cond(y.sum() > 0, lambda t: torch.sin(t),
-                                            lambda t: torch.cos(t), (y,)))
+    branchy = Sandwich(lambda y: torch.cond(y.sum() > 0, lambda t: torch.sin(t), lambda t: torch.cos(t), (y,)))
     loss, ref_loss, model, ref, backend, _ = _step(branchy, (torch.randn(4, 8),), inner="aot_eager")
-    assert set(n for n, p in model.named_parameters() if p.grad is not None) == \
-        set(n for n, p in ref.named_parameters() if p.grad is not None)
+    assert set(n for n, p in model.named_parameters() if p.grad is not None) == set(
+        n for n, p in ref.named_parameters() if p.grad is not None
+    )
     assert cosine(grads(model), grads(ref)) >= 0.99
     cond = [n for n in backend.plan().nodes if n.op == "cond"]
     assert cond and cond[0].precision == "FP32" and "as written" in cond[0].reason
@@ -526,8 +527,7 @@ class _Lm(nn.Module):
 
 def _lm_inputs():
     g = torch.Generator().manual_seed(0)
-    return {"ids": torch.randint(0, 32, (2, 6), generator=g),
-            "labels": torch.randint(0, 32, (2, 6), generator=g)}
+    return {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)}
 
 
 class _Ema(_Lm):
@@ -565,9 +565,13 @@ def _spectral():
     return m
 
 
-PATTERNS = {"forward_hooks": _hooked, "weight_norm_orthogonal": _parametrized,
-            "spectral_norm_buffers": _spectral, "tied_embedding": lambda: _Lm(tie=True),
-            "buffer_updated_in_forward": _Ema}
+PATTERNS = {
+    "forward_hooks": _hooked,
+    "weight_norm_orthogonal": _parametrized,
+    "spectral_norm_buffers": _spectral,
+    "tied_embedding": lambda: _Lm(tie=True),
+    "buffer_updated_in_forward": _Ema,
+}
 
 
 @pytest.mark.parametrize("name", PATTERNS)
@@ -602,8 +606,9 @@ class TopKMoE(nn.Module):
     def __init__(self, d=16, experts=4):
         super().__init__()
         self.gate = nn.Linear(d, experts)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-                                     for _ in range(experts))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts)
+        )
 
     def forward(self, x):
         weights, chosen = self.gate(x).softmax(-1).topk(2, -1)
@@ -657,13 +662,17 @@ FAST = {"bloom", "deepseek_v3", "deberta_v2", "clip", "hubert_ctc"}
 # with dropout off (differential._no_dropout) both are ~0.8 at this size, amp above autocast
 # where BF16 is native. Where oneDNN emulates BF16 (no AVX512-BF16) amp lands below:
 EMULATED_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-KNOWN: dict[str, str] = {
-    "mobilevit": "CPU emulating BF16: gradient cosine 0.8215 against autocast's 0.8783 "
-                 "(2026-12-02). Ill-conditioned in its compute at random init, not in its "
-                 "weights (rounding only weights and inputs: >= 0.99): per parameter the two "
-                 "straddle (amp 0.74 vs 0.52 on one attention projection's bias, -0.64 vs 0.70 "
-                 "on a LayerNorm bias); convolutions in FP32 make it pass",
-} if EMULATED_BF16 else {}
+KNOWN: dict[str, str] = (
+    {
+        "mobilevit": "CPU emulating BF16: gradient cosine 0.8215 against autocast's 0.8783 "
+        "(2026-12-02). Ill-conditioned in its compute at random init, not in its "
+        "weights (rounding only weights and inputs: >= 0.99): per parameter the two "
+        "straddle (amp 0.74 vs 0.52 on one attention projection's bias, -0.64 vs 0.70 "
+        "on a LayerNorm bias); convolutions in FP32 make it pass",
+    }
+    if EMULATED_BF16
+    else {}
+)
 
 
 def _marks(name):
@@ -703,8 +712,7 @@ def test_harness_cosine_check_yields_only_to_rounding_or_a_failed_autocast():
 FP16_FAST = {"deberta_v2"}  # mask fills and relative positions; the rest with -m slow
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=() if n in FP16_FAST else pytest.mark.slow) for n in STEP_ZOO])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FP16_FAST else pytest.mark.slow) for n in STEP_ZOO])
 def test_zoo_one_training_step_in_fp16_is_faithful(name):
     """The same check under FP16 (the fallback where BF16 is not native: V100, T4), whose
     range and subnormals are the narrow ones: mask fills, eps constants, CTC's sums."""
@@ -716,10 +724,10 @@ def test_zoo_one_training_step_in_fp16_is_faithful(name):
 # or autocast; torch 2.13 CPU): it crashes in the generated code, or never finishes.
 INDUCTOR_CRASHES = {
     "falcon_alibi": "plain torch.compile (Inductor, no amp) segfaults in this model's backward "
-                    "on torch 2.13 CPU (ALiBi index_put gradient kernel)",
+    "on torch 2.13 CPU (ALiBi index_put gradient kernel)",
     "funnel": "plain torch.compile (Inductor, FP32, no amp) had not compiled one training step "
-              "after 400 s on torch 2.13 CPU (sympy simplifying strides while choosing the C++ "
-              "tiling of a backward kernel)",
+    "after 400 s on torch 2.13 CPU (sympy simplifying strides while choosing the C++ "
+    "tiling of a backward kernel)",
 }
 
 
@@ -776,8 +784,7 @@ NOT_EXPORTABLE = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=() if n in EXPORT_FAST else pytest.mark.slow) for n in ZOO])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in EXPORT_FAST else pytest.mark.slow) for n in ZOO])
 def test_zoo_exports_bf16_onnx_with_checks(name, tmp_path):
     """BF16 ONNX export with its own checks on: dtype assertions follow the plan (HuBERT,
     OLMo-2), mask fills fit (DeBERTa), outputs blind to rounding are controlled inside
@@ -797,8 +804,7 @@ def test_zoo_exports_bf16_onnx_with_checks(name, tmp_path):
         with pytest.raises(ExportError, match=f"{NOT_EXPORTABLE[name]}.*export a forward that does not"):
             export_onnx(model, (), str(tmp_path / "m.onnx"), kwargs=inputs, dtype="bf16", target="cuda")
         return
-    report = export_onnx(model, (), str(tmp_path / "m.onnx"), kwargs=inputs, dtype="bf16",
-                         target="cuda")
+    report = export_onnx(model, (), str(tmp_path / "m.onnx"), kwargs=inputs, dtype="bf16", target="cuda")
     assert (tmp_path / "m.onnx").exists()
     assert report.parity["vs_fp32_max_rel"] <= report.parity["tolerance_rel"]
     assert report.parity["negative_control_diff"] > 0 or "measured on" in report.parity["negative_control"]

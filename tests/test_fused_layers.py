@@ -27,16 +27,33 @@ def masks(b, t):
 def test_encoder_layer_matches_the_fused_op(norm_first, activation, mask):
     """The arguments nn.TransformerEncoderLayer's fast path passes, to both."""
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(32, 4, 64, activation=activation, batch_first=True,
-                                       norm_first=norm_first).eval()
+    layer = nn.TransformerEncoderLayer(32, 4, 64, activation=activation, batch_first=True, norm_first=norm_first).eval()
     x = torch.randn(3, 10, 32)
     attn_mask, padding = masks(3, 10)[mask]
     merged, mask_type = layer.self_attn.merge_masks(attn_mask, padding, x)
     a = layer.self_attn
-    args = (x, a.embed_dim, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj.weight,
-            a.out_proj.bias, activation == "gelu", norm_first, layer.norm1.eps, layer.norm1.weight,
-            layer.norm1.bias, layer.norm2.weight, layer.norm2.bias, layer.linear1.weight,
-            layer.linear1.bias, layer.linear2.weight, layer.linear2.bias, merged, mask_type)
+    args = (
+        x,
+        a.embed_dim,
+        a.num_heads,
+        a.in_proj_weight,
+        a.in_proj_bias,
+        a.out_proj.weight,
+        a.out_proj.bias,
+        activation == "gelu",
+        norm_first,
+        layer.norm1.eps,
+        layer.norm1.weight,
+        layer.norm1.bias,
+        layer.norm2.weight,
+        layer.norm2.bias,
+        layer.linear1.weight,
+        layer.linear1.bias,
+        layer.linear2.weight,
+        layer.linear2.bias,
+        merged,
+        mask_type,
+    )
     with torch.no_grad():
         fused = torch._transformer_encoder_layer_fwd(*args)
         ours = transformer_encoder_layer_fwd(*args)
@@ -51,8 +68,21 @@ def test_multi_head_attention_matches_the_fused_op(need_weights, average, mask):
     x = torch.randn(3, 10, 32)
     attn_mask, padding = masks(3, 10)[mask]
     merged, mask_type = a.merge_masks(attn_mask, padding, x)
-    args = (x, x, x, a.embed_dim, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj.weight,
-            a.out_proj.bias, merged, need_weights, average, mask_type)
+    args = (
+        x,
+        x,
+        x,
+        a.embed_dim,
+        a.num_heads,
+        a.in_proj_weight,
+        a.in_proj_bias,
+        a.out_proj.weight,
+        a.out_proj.bias,
+        merged,
+        need_weights,
+        average,
+        mask_type,
+    )
     with torch.no_grad():
         fused = torch._native_multi_head_attention(*args)
         ours = native_multi_head_attention(*args)
@@ -68,8 +98,21 @@ def test_a_fully_masked_sequence_gives_what_the_fused_op_gives():
     padding = torch.zeros(2, 5, dtype=torch.bool)
     padding[1] = True  # every key of the second sequence masked
     merged, mask_type = a.merge_masks(None, padding, x)
-    args = (x, x, x, 16, 2, a.in_proj_weight, a.in_proj_bias, a.out_proj.weight, a.out_proj.bias,
-            merged, True, True, mask_type)
+    args = (
+        x,
+        x,
+        x,
+        16,
+        2,
+        a.in_proj_weight,
+        a.in_proj_bias,
+        a.out_proj.weight,
+        a.out_proj.bias,
+        merged,
+        True,
+        True,
+        mask_type,
+    )
     with torch.no_grad():
         fused, ours = torch._native_multi_head_attention(*args), native_multi_head_attention(*args)
     assert torch.isfinite(fused[0][0]).all() and torch.isnan(fused[0][1]).all()  # NaN, as in eager
@@ -101,8 +144,7 @@ def test_encoder_inference_runs_bf16_matmuls_with_fp32_norms_and_softmax():
     assert not {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention} & ops
     matmuls = rec.dtypes_of(aten.mm, aten.addmm, aten.bmm, aten.linear, aten.matmul)
     assert matmuls and all(d and set(d) == {torch.bfloat16} for d in matmuls), matmuls
-    norms = rec.dtypes_of(aten.native_layer_norm, aten.layer_norm, aten._masked_softmax,
-                          aten._softmax, aten.softmax)
+    norms = rec.dtypes_of(aten.native_layer_norm, aten.layer_norm, aten._masked_softmax, aten._softmax, aten.softmax)
     assert norms and all(d[0] == torch.float32 for d in norms), norms
     torch.testing.assert_close(out, ref, rtol=5e-2, atol=5e-2)
     assert not backend.plan().summary()["unknown_ops"]

@@ -14,8 +14,7 @@ from helpers import MLP, OpRecorder, recording_backend
 from amp_compiler import AmpBackend, LossScaler, make_train_step
 from amp_compiler.device import native_dtypes, resolve_dtype
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 aten = torch.ops.aten
 CUDA = torch.device("cuda")
 
@@ -40,15 +39,18 @@ def test_matmuls_execute_in_bf16_on_cuda():
 
 def _lm():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 256), nn.GELU(),
-                         nn.Linear(256, 128)).to(CUDA)
+    return nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 128)).to(CUDA)
 
 
 def test_generated_training_step_on_cuda_one_sync_per_step(monkeypatch):
     model = _lm()
-    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                           lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                           dtype="bf16", max_grad_norm=1.0)
+    step = make_train_step(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+        dtype="bf16",
+        max_grad_norm=1.0,
+    )
     ids = torch.randint(0, 128, (8, 32), device=CUDA)
     first = step(ids, ids).loss.item()
     for _ in range(3):
@@ -66,9 +68,13 @@ def test_generated_training_step_on_cuda_one_sync_per_step(monkeypatch):
 
 def test_fp16_step_skips_on_inf_and_backs_off():
     model = _lm()
-    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                           lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                           dtype="fp16", scaler=LossScaler("cuda", init_scale=2.0**10))
+    step = make_train_step(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+        dtype="fp16",
+        scaler=LossScaler("cuda", init_scale=2.0**10),
+    )
     ids = torch.randint(0, 128, (8, 32), device=CUDA)
     step(ids, ids)
     before = [p.detach().clone() for p in model.parameters()]

@@ -17,61 +17,130 @@ from amp_compiler import AmpBackend
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
 
-LOW_FWD = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution,
-           aten._scaled_dot_product_flash_attention_for_cpu)
-FP32_FWD = (aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.mean, aten.pow,
-            aten.rsqrt, aten.nll_loss_forward, aten.exp)
+LOW_FWD = (
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+)
+FP32_FWD = (
+    aten._softmax,
+    aten._log_softmax,
+    aten.native_layer_norm,
+    aten.mean,
+    aten.pow,
+    aten.rsqrt,
+    aten.nll_loss_forward,
+    aten.exp,
+)
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def llama(attn="sdpa"):
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=64, vocab_size=100,
-                                   attn_implementation=attn)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=100,
+        attn_implementation=attn,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def bert():
-    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                  intermediate_size=64, vocab_size=100, hidden_dropout_prob=0,
-                                  attention_probs_dropout_prob=0, num_labels=3)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(cfg)
 
 
 def vit():
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=64, image_size=32, patch_size=8, num_labels=3,
-                                 hidden_dropout_prob=0, attention_probs_dropout_prob=0)
+    cfg = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+    )
     return transformers.ViTForImageClassification(cfg)
 
 
 def wav2vec2():
     cfg = transformers.Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2, num_labels=3, hidden_dropout=0, attention_dropout=0,
-        activation_dropout=0, feat_proj_dropout=0, layerdrop=0, mask_time_prob=0)
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        num_labels=3,
+        hidden_dropout=0,
+        attention_dropout=0,
+        activation_dropout=0,
+        feat_proj_dropout=0,
+        layerdrop=0,
+        mask_time_prob=0,
+    )
     return transformers.Wav2Vec2ForSequenceClassification(cfg)
 
 
 def whisper():
     cfg = transformers.WhisperConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-        max_source_positions=50, max_target_positions=32, vocab_size=100, dropout=0,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=50,
+        max_target_positions=32,
+        vocab_size=100,
+        dropout=0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     return transformers.WhisperForConditionalGeneration(cfg)
 
 
 def mixtral():
-    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                     num_key_value_heads=1, intermediate_size=64, vocab_size=100,
-                                     num_local_experts=4, num_experts_per_tok=2)
+    cfg = transformers.MixtralConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=100,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     return transformers.MixtralForCausalLM(cfg)
 
 
@@ -83,8 +152,7 @@ CASES = {
     "bert_classifier": (bert, dict(input_ids=ids, labels=torch.tensor([0, 2]))),
     "vit": (vit, dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))),
     "wav2vec2": (wav2vec2, dict(input_values=torch.randn(2, 1600), labels=torch.tensor([0, 2]))),
-    "whisper": (whisper, dict(input_features=torch.randn(2, 16, 100), labels=ids[:, :8],
-                              decoder_input_ids=ids[:, :8])),
+    "whisper": (whisper, dict(input_features=torch.randn(2, 16, 100), labels=ids[:, :8], decoder_input_ids=ids[:, :8])),
     "mixtral_moe": (mixtral, dict(input_ids=ids, labels=ids)),
 }
 
@@ -131,8 +199,7 @@ def test_hf_plan_names_modules_and_reasons():
 def test_hf_resnet_grads_no_worse_than_autocast():
     """A tiny random-init ResNet (BatchNorm, batch 2) is BF16-sensitive: its gradient cosine
     to FP32 is ~0.96 under torch.autocast too. amp must be no worse than autocast."""
-    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
-                                    num_labels=3)
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
     model = transformers.ResNetForImageClassification(cfg)
     kwargs = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))
     ref, auto = copy.deepcopy(model), copy.deepcopy(model)

@@ -39,9 +39,17 @@ def gpt2():
 
 
 def args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
-                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-                dataloader_num_workers=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     return transformers.TrainingArguments(**{**base, **kw})
 
 
@@ -49,8 +57,7 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
     rec = OpRecorder()
     cb = AmpCallback("bf16", inner=recording_backend(rec))
     model = gpt2()
-    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=Ids(),
-                                   callbacks=[cb])
+    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=Ids(), callbacks=[cb])
     trainer.train()
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
@@ -65,12 +72,10 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
 def test_trainer_default_is_fp32_where_16_bit_is_emulated(tmp_path, monkeypatch):
     """AmpCallback() on a CPU that only emulates BF16/FP16: FP32 (no scaler), nothing runs in
     16 bit, and the logged plan says why once."""
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda device: (frozenset(), "fake CPU emulating 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset(), "fake CPU emulating 16 bit"))
     rec = OpRecorder()
     cb = AmpCallback(inner=recording_backend(rec))
-    trainer = transformers.Trainer(model=gpt2(), args=args(tmp_path, max_steps=2),
-                                   train_dataset=Ids(), callbacks=[cb])
+    trainer = transformers.Trainer(model=gpt2(), args=args(tmp_path, max_steps=2), train_dataset=Ids(), callbacks=[cb])
     trainer.train()
     assert cb.dtype == "fp32" and cb.scaler is None
     assert "fake CPU emulating 16 bit" in cb.reason
@@ -104,8 +109,9 @@ def test_trainer_refuses_a_model_dynamo_does_not_compile(tmp_path):
     refused instead, before any parameter moves."""
     model = EagerLM()
     before = copy.deepcopy(model.state_dict())
-    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=Ids(),
-                                   callbacks=[AmpCallback("bf16", inner="aot_eager")])
+    trainer = transformers.Trainer(
+        model=model, args=args(tmp_path), train_dataset=Ids(), callbacks=[AmpCallback("bf16", inner="aot_eager")]
+    )
     with pytest.raises(RuntimeError, match="ran as written in FP32"):
         trainer.train()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -114,8 +120,9 @@ def test_trainer_refuses_a_model_dynamo_does_not_compile(tmp_path):
 @pytest.mark.parametrize("flag", ["bf16", "torch_compile"])
 def test_trainer_flags_that_stack_a_second_precision_system_are_refused(tmp_path, flag):
     with pytest.raises(ValueError, match=f"TrainingArguments\\({flag}=True\\)"):
-        transformers.Trainer(model=gpt2(), args=args(tmp_path, **{flag: True}),
-                             train_dataset=Ids(), callbacks=[AmpCallback()])
+        transformers.Trainer(
+            model=gpt2(), args=args(tmp_path, **{flag: True}), train_dataset=Ids(), callbacks=[AmpCallback()]
+        )
 
 
 class Regression(nn.Module):
@@ -157,11 +164,13 @@ def test_fp16_dropped_steps_do_not_advance_the_trainers_lr_schedule(tmp_path):
     """A loss scale far too large overflows the first steps, which amp drops; the Trainer's
     linear decay advances only on the steps that ran (as under the Trainer's own fp16),
     so the logged learning rates are the schedule at (steps taken - steps dropped)."""
-    cb = AmpCallback(config={"fp16": {"enabled": True, "initial_scale_power": 20, "hysteresis": 1}},
-                     inner="aot_eager")
+    cb = AmpCallback(config={"fp16": {"enabled": True, "initial_scale_power": 20, "hysteresis": 1}}, inner="aot_eager")
     trainer = transformers.Trainer(
-        model=gpt2(), args=args(tmp_path, max_steps=6, learning_rate=1e-3, lr_scheduler_type="linear"),
-        train_dataset=Ids(n=24), callbacks=[cb])
+        model=gpt2(),
+        args=args(tmp_path, max_steps=6, learning_rate=1e-3, lr_scheduler_type="linear"),
+        train_dataset=Ids(n=24),
+        callbacks=[cb],
+    )
     trainer.train()
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
     skipped = [h["amp_skipped_steps"] for h in trainer.state.log_history if "learning_rate" in h]
@@ -175,19 +184,24 @@ def test_fp16_dropped_steps_do_not_advance_the_trainers_lr_schedule(tmp_path):
 def _trainer_worker(rank, port, out_dir, results):
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
     try:
         # aot_eager: the ranks' plans are the subject; Inductor's code is tested elsewhere
         cb = AmpCallback(config={"bf16": {"enabled": True}}, inner="aot_eager")
         model = gpt2()
-        trainer = transformers.Trainer(model=model, args=args(out_dir, max_steps=4, learning_rate=5e-3),
-                                       train_dataset=Ids(), callbacks=[cb])
+        trainer = transformers.Trainer(
+            model=model, args=args(out_dir, max_steps=4, learning_rate=5e-3), train_dataset=Ids(), callbacks=[cb]
+        )
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        results[rank] = (losses, cb.plan().summary()["nodes"]["LOW"],
-                         [p.detach().clone() for p in model.parameters()][:3],
-                         all(p.dtype == torch.float32 for p in model.parameters()))
+        results[rank] = (
+            losses,
+            cb.plan().summary()["nodes"]["LOW"],
+            [p.detach().clone() for p in model.parameters()][:3],
+            all(p.dtype == torch.float32 for p in model.parameters()),
+        )
     finally:
         import torch.distributed as dist
 
@@ -240,5 +254,6 @@ def test_accelerate_mixed_precision_around_the_amp_backend_trains():
     record = backend.records[0]
     assert record.dtype == "bf16" and record.plan.applied and "torch.autocast(cpu, bf16)" in record.dtype_reason
     assert rec.dtypes_of(torch.ops.aten.addmm) and all(
-        set(d) == {torch.bfloat16} for d in rec.dtypes_of(torch.ops.aten.addmm, torch.ops.aten.mm))
+        set(d) == {torch.bfloat16} for d in rec.dtypes_of(torch.ops.aten.addmm, torch.ops.aten.mm)
+    )
     assert cosine(grads(model), grads(ref)) > 0.999

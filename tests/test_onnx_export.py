@@ -17,8 +17,7 @@ transformers = pytest.importorskip("transformers")
 from onnx import TensorProto  # noqa: E402
 
 LOW_OPS = {"MatMul", "Gemm", "Conv"}
-FP32_OPS = {"Softmax", "LayerNormalization", "ReduceMean", "ReduceSum", "ReduceMax",
-            "BatchNormalization"}
+FP32_OPS = {"Softmax", "LayerNormalization", "ReduceMean", "ReduceSum", "ReduceMax", "BatchNormalization"}
 ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -58,20 +57,30 @@ def reference_evaluator_matches(path, feeds, expected, tol=0.05):
 
 
 def gpt2():
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    )
 
 
 def llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64, vocab_size=100))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            vocab_size=100,
+        )
+    )
 
 
 def bert():
-    return transformers.BertModel(transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-        vocab_size=100))
+    return transformers.BertModel(
+        transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100
+        )
+    )
 
 
 CASES = {
@@ -111,15 +120,19 @@ def test_export_dynamic_batch_and_sequence(tmp_path):
     model = llama()
     path = str(tmp_path / "dyn.onnx")
     batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=256)
-    export_onnx(model, (), path, kwargs={"input_ids": ids, "use_cache": False},
-                dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None})
+    export_onnx(
+        model,
+        (),
+        path,
+        kwargs={"input_ids": ids, "use_cache": False},
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None},
+    )
     m = onnx.load(path)
     dims = [d.dim_param for d in m.graph.input[0].type.tensor_type.shape.dim]
     assert all(dims), dims
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(emulate_low(m).SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(emulate_low(m).SerializeToString(), so, providers=["CPUExecutionProvider"])
     x = torch.randint(0, 100, (3, 9))
     out = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     with torch.no_grad():
@@ -145,6 +158,7 @@ def test_export_fp16_for_cpu_runs_on_ort_cpu(tmp_path):
 def test_export_keeps_the_layout_a_view_after_attention_relies_on(tmp_path):
     """nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` after SDPA: the export's
     written-out attention keeps the fused op's memory layout (the retrace failed before)."""
+
     class NanoAttention(torch.nn.Module):
         def __init__(self, d=32, heads=4):
             super().__init__()
@@ -195,6 +209,7 @@ def test_export_failure_leaves_nothing(tmp_path):
 
 def test_export_cuda_pins_ops_without_bf16_kernels(tmp_path):
     """Pad has no BF16 kernel on ORT CUDA: the export keeps it FP32, with the reason."""
+
     class Padded(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -216,6 +231,7 @@ def test_export_cuda_pins_ops_without_bf16_kernels(tmp_path):
 def test_export_of_a_value_dependent_branch_says_where_and_what_to_do(tmp_path):
     """Longformer's `if is_global_attn:` shape: torch.export cannot trace a branch on a
     tensor's value; the error names the line and the fix, and leaves no file behind."""
+
     class Branchy(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -257,9 +273,11 @@ def test_export_of_a_forward_that_samples_says_so_instead_of_failing_parity(tmp_
 def test_an_onnx_runtime_failure_is_an_export_error_naming_the_provider(tmp_path, monkeypatch):
     """ORT's own exception types (NOT_IMPLEMENTED for a kernel it lacks) become an
     ExportError that says which provider failed and how to list the nodes; no file."""
+
     def refuse(*args, **kwargs):
-        raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an "
-                           "implementation for Foo(1) node with name 'n0'")
+        raise RuntimeError(
+            "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation for Foo(1) node with name 'n0'"
+        )
 
     monkeypatch.setattr(ort, "InferenceSession", refuse)
     with pytest.raises(ExportError, match=r"CPUExecutionProvider could not run.*Foo\(1\).*inspect"):
@@ -271,6 +289,7 @@ def test_export_traces_distribution_heads_and_leaves_validation_as_it_was(tmp_pa
     """torch.distributions checks its arguments with Python branches on values (Informer's
     Student-t head); torch.compile turns the checks off for the whole process, the export
     only for its own trace, so it works in a process that never compiled."""
+
     class Gaussian(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -296,6 +315,7 @@ def test_export_cuda_pins_unfold_and_resize(tmp_path):
     """nn.Unfold (im2col, ConvBERT) lowers to a Pad and interpolate to a Resize, neither with
     a BF16 kernel on ORT CUDA: both stay FP32 in the export though the policy passes them
     through in BF16."""
+
     class UnfoldResize(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -307,8 +327,9 @@ def test_export_cuda_pins_unfold_and_resize(tmp_path):
 
     path = str(tmp_path / "u.onnx")
     report = export_onnx(UnfoldResize(), (torch.randn(2, 6, 8),), path)
-    pinned = {n.op.split(".")[1]: n for n in report.plan.nodes
-              if n.op.startswith(("aten.im2col", "aten.upsample_bilinear2d"))}
+    pinned = {
+        n.op.split(".")[1]: n for n in report.plan.nodes if n.op.startswith(("aten.im2col", "aten.upsample_bilinear2d"))
+    }
     assert set(pinned) == {"im2col", "upsample_bilinear2d"}
     assert all(n.precision == "FP32" and "kernel on ORT" in n.reason for n in pinned.values())
     _, t = types_of(path)
@@ -334,14 +355,30 @@ def test_cli_export_end_to_end(tmp_path):
 
     models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
     out = tmp_path / "cli.onnx"
-    res = subprocess.run([sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny",
-                          "-o", str(out), "--dynamic", "0:batch"], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny", "-o", str(out), "--dynamic", "0:batch"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "wrote" in res.stdout and "0.5" in res.stdout and out.exists()
-    bad = subprocess.run([sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny",
-                          "-o", str(tmp_path / "x.onnx"), "--target", "cpu"],
-                         capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "amp_compiler",
+            "export",
+            f"{models}:tiny",
+            "-o",
+            str(tmp_path / "x.onnx"),
+            "--target",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "CPU provider cannot run BF16" in bad.stderr
     assert not (tmp_path / "x.onnx").exists()
 
@@ -357,8 +394,9 @@ def test_export_left_padded_batch_stays_finite(tmp_path):
     export_onnx(model, (), path, kwargs={"input_ids": ids, "attention_mask": mask, "use_cache": False})
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(emulate_low(onnx.load(path)).SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        emulate_low(onnx.load(path)).SerializeToString(), so, providers=["CPUExecutionProvider"]
+    )
     feeds = {i.name: {"input_ids": ids, "attention_mask": mask}[i.name].numpy() for i in sess.get_inputs()}
     out = torch.as_tensor(sess.run(None, feeds)[0])
     with torch.no_grad():

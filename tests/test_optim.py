@@ -16,8 +16,7 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.99)),
     "adam_maximize": lambda ps: torch.optim.Adam(ps, lr=1e-3, maximize=True),
-    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
-                                               weight_decay=1e-3),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
     "sgd_plain": lambda ps: torch.optim.SGD(ps, lr=0.05),
 }
 
@@ -51,8 +50,11 @@ def test_fused_update_matches_the_optimizers_own_step(name, max_norm):
         set_grads(ours, step, scale=1024.0)
         set_grads(ref, step)
         found, norm = update(scale)
-        ref_norm = (nn.utils.clip_grad_norm_(ref.parameters(), max_norm) if max_norm
-                    else nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        ref_norm = (
+            nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            if max_norm
+            else nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+        )
         ref_opt.step()
         assert not found
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
@@ -88,8 +90,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name, kernel", [("adamw", "_fused_adamw_"), ("adam_l2", "_fused_adam_"),
-                                          ("sgd_nesterov", "_fused_sgd_")])
+@pytest.mark.parametrize(
+    "name, kernel", [("adamw", "_fused_adamw_"), ("adam_l2", "_fused_adam_"), ("sgd_nesterov", "_fused_sgd_")]
+)
 def test_update_runs_one_fused_kernel_over_all_parameters(name, kernel):
     """What executed: one fused optimizer kernel for the group, no per-parameter op chains."""
     m = model()
@@ -172,9 +175,16 @@ class SyncCounter(TorchDispatchMode):
 def test_one_host_sync_per_optimizer_step_none_between_micro_steps(dtype, monkeypatch):
     m = model()
     scaler = LossScaler("cpu", init_scale=2.0**8) if dtype == "fp16" else None
-    step = make_train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-2), F.mse_loss, dtype=dtype,
-                           scaler=scaler, max_grad_norm=1.0, grad_accum=2,
-                           compile_options={"inner": "aot_eager"})
+    step = make_train_step(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=1e-2),
+        F.mse_loss,
+        dtype=dtype,
+        scaler=scaler,
+        max_grad_norm=1.0,
+        grad_accum=2,
+        compile_options={"inner": "aot_eager"},
+    )
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     step(x, y), step(x, y)  # compile and first step
     counter = SyncCounter(monkeypatch)
@@ -192,9 +202,15 @@ def test_fused_step_skips_and_the_scale_backs_off():
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
-    step = make_train_step(m, opt, F.mse_loss, dtype="fp16", lr_scheduler=sched,
-                           scaler=LossScaler("cpu", init_scale=2.0**8),
-                           compile_options={"inner": "aot_eager"})
+    step = make_train_step(
+        m,
+        opt,
+        F.mse_loss,
+        dtype="fp16",
+        lr_scheduler=sched,
+        scaler=LossScaler("cpu", init_scale=2.0**8),
+        compile_options={"inner": "aot_eager"},
+    )
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     step(x, y)
     params, lr = [p.clone() for p in m.parameters()], opt.param_groups[0]["lr"]
@@ -208,11 +224,23 @@ def test_fused_step_skips_and_the_scale_backs_off():
 
 def test_fused_and_unfused_training_steps_agree():
     a, b = model(), model()
-    sa = make_train_step(a, torch.optim.AdamW(a.parameters(), lr=1e-2), F.mse_loss, dtype="bf16",
-                         max_grad_norm=0.5, compile_options={"inner": "aot_eager"})
-    sb = make_train_step(b, torch.optim.AdamW(b.parameters(), lr=1e-2), F.mse_loss, dtype="bf16",
-                         max_grad_norm=0.5, compile_options={"inner": "aot_eager"},
-                         fused_update=False)
+    sa = make_train_step(
+        a,
+        torch.optim.AdamW(a.parameters(), lr=1e-2),
+        F.mse_loss,
+        dtype="bf16",
+        max_grad_norm=0.5,
+        compile_options={"inner": "aot_eager"},
+    )
+    sb = make_train_step(
+        b,
+        torch.optim.AdamW(b.parameters(), lr=1e-2),
+        F.mse_loss,
+        dtype="bf16",
+        max_grad_norm=0.5,
+        compile_options={"inner": "aot_eager"},
+        fused_update=False,
+    )
     assert sa.fused is not None and sb.fused is None
     for i in range(4):
         g = torch.Generator().manual_seed(i)
@@ -222,4 +250,3 @@ def test_fused_and_unfused_training_steps_agree():
         torch.testing.assert_close(ra.grad_norm, rb.grad_norm, rtol=1e-5, atol=0)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-

@@ -43,15 +43,23 @@ class Run:
         return [d[0] for d in self.rec.dtypes_of(aten.addmm)][:2]
 
     def module_precision(self, module: str) -> str:
-        return next(n["precision"] for n in self.plan["nodes"]
-                    if n["module"] == module and n["op"].startswith("aten.linear"))
+        return next(
+            n["precision"] for n in self.plan["nodes"] if n["module"] == module and n["op"].startswith("aten.linear")
+        )
 
 
 def _policy_file(tmp_path) -> str:
     path = tmp_path / "amp-policy.json"
-    path.write_text(json.dumps({"format": "amp-policy", "version": 1, "dtype": "bf16",
-                                "pins": [{"option": "fp32_modules", "pattern": "^correction$",
-                                          "reason": "cancellation (measured)"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "amp-policy",
+                "version": 1,
+                "dtype": "bf16",
+                "pins": [{"option": "fp32_modules", "pattern": "^correction$", "reason": "cancellation (measured)"}],
+            }
+        )
+    )
     return str(path)
 
 
@@ -72,28 +80,36 @@ class Row:
 
 ROWS = {
     "dtype": Row(lambda t, s: "fp16", lambda r: torch.float16 in r.linears(), cli="--dtype fp16"),
-    "inner": Row(lambda t, s: _second_inner(s),
-                 lambda r: "second" in r.extra and bool(r.extra["second"].calls)),
+    "inner": Row(lambda t, s: _second_inner(s), lambda r: "second" in r.extra and bool(r.extra["second"].calls)),
     "low_ops": Row(lambda t, s: ["aten.exp"], lambda r: r.ran(aten.exp, torch.bfloat16)),
     "fp32_ops": Row(lambda t, s: ["aten.linear"], lambda r: r.linears() == [torch.float32] * 2),
     "promote_ops": Row(lambda t, s: ["aten.exp"], lambda r: r.ran(aten.exp, torch.bfloat16)),
     "passthrough_ops": Row(lambda t, s: ["aten.exp"], lambda r: r.ran(aten.exp, torch.bfloat16)),
     "remove_ops": Row(lambda t, s: ["aten.linear"], lambda r: r.linears() == [torch.float32] * 2),
-    "fp32_modules": Row(lambda t, s: ["^correction$"],
-                        lambda r: r.linears() == [torch.bfloat16, torch.float32],
-                        cli="--fp32-module ^correction$"),
-    "strict": Row(lambda t, s: True, lambda r: r.error is not None and "unknown" in str(r.error),
-                  context={"remove_ops": ["aten.exp"]}),
+    "fp32_modules": Row(
+        lambda t, s: ["^correction$"],
+        lambda r: r.linears() == [torch.bfloat16, torch.float32],
+        cli="--fp32-module ^correction$",
+    ),
+    "strict": Row(
+        lambda t, s: True,
+        lambda r: r.error is not None and "unknown" in str(r.error),
+        context={"remove_ops": ["aten.exp"]},
+    ),
     # a training step compiling the loss returns the loss, FP32 whatever the option says
-    "low_precision_outputs": Row(lambda t, s: True, lambda r: r.out.dtype == torch.bfloat16,
-                                 step={"compile_loss": False}),
-    "memory_budget": Row(lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5},
-                         context={"inner": "inductor"}),
+    "low_precision_outputs": Row(
+        lambda t, s: True, lambda r: r.out.dtype == torch.bfloat16, step={"compile_loss": False}
+    ),
+    "memory_budget": Row(
+        lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5}, context={"inner": "inductor"}
+    ),
     "attention": Row(lambda t, s: "fused", lambda r: r.ran(SDPA_CPU, torch.bfloat16)),
     "dump_dir": Row(lambda t, s: str(t / "dump"), lambda r: any(r.extra["tmp"].glob("dump/**/*"))),
-    "policy_file": Row(lambda t, s: _policy_file(t),
-                       lambda r: r.linears() == [torch.bfloat16, torch.float32],
-                       cli="--policy-file {policy_file}"),
+    "policy_file": Row(
+        lambda t, s: _policy_file(t),
+        lambda r: r.linears() == [torch.bfloat16, torch.float32],
+        cli="--policy-file {policy_file}",
+    ),
 }
 
 
@@ -125,6 +141,7 @@ def _via_callback(opts, dtype):
     def build(m):
         AmpCallback(dtype.get("dtype"), **opts).on_train_begin(None, None, None, model=m)
         return m
+
     return build
 
 
@@ -144,6 +161,7 @@ def _step(opts, dtype, *, config: bool, **step_kwargs):
             step = make_train_step(m, opt, loss_fn, **dtype, compile_options=opts, **step_kwargs)
         step(x)
         return outputs[-1]
+
     return run
 
 
@@ -237,8 +255,7 @@ def test_replace_lets_a_policy_file_fill_only_what_was_not_given(tmp_path):
     """``replace`` (how torch.compile's options meet a backend's) carries only the options
     set explicitly: a policy file fills the rest, and an explicit default still wins."""
     path = _policy_file(tmp_path)
-    assert AmpOptions.from_mapping({"inner": "eager"}).replace(policy_file=path).fp32_modules \
-        == ("^correction$",)
+    assert AmpOptions.from_mapping({"inner": "eager"}).replace(policy_file=path).fp32_modules == ("^correction$",)
     explicit = AmpOptions.from_mapping({"fp32_modules": []}).replace(policy_file=path)
     assert explicit.fp32_modules == () and explicit.policy_overridden == ("fp32_modules",)
     kept = AmpOptions.from_mapping(policy_file=path).replace(strict=True)

@@ -47,8 +47,8 @@ bf16, fp32 = torch.bfloat16, torch.float32
 def test_tag_matmul_low_softmax_fp32_three_casts():
     """matmul gets bf16 inputs (2 casts), softmax gets its input back in fp32 (1 cast)."""
     gm, _ = rewrite(lambda x, w: torch.softmax(x @ w, -1), x, w)
-    mm, = nodes_of(gm, aten.matmul)
-    sm, = nodes_of(gm, aten.softmax)
+    (mm,) = nodes_of(gm, aten.matmul)
+    (sm,) = nodes_of(gm, aten.softmax)
     assert info(mm).precision is Precision.LOW and info(sm).precision is Precision.FP32
     assert [a.meta["val"].dtype for a in mm.all_input_nodes] == [bf16, bf16]
     assert sm.args[0].meta["val"].dtype == fp32
@@ -68,7 +68,7 @@ def test_insert_casts_weight_cast_once_for_two_readers():
 def test_insert_casts_activation_between_matmuls_stays_low():
     """Linear -> GELU -> Linear costs no cast around the GELU."""
     gm, _ = rewrite(lambda x, w1, w2: F.gelu(x @ w1) @ w2, x, w, w)
-    gelu, = nodes_of(gm, aten.gelu)
+    (gelu,) = nodes_of(gm, aten.gelu)
     assert info(gelu).precision is Precision.PASSTHROUGH
     assert gelu.meta["val"].dtype == bf16 and not info(gelu).casts
     assert len(casts(gm)) == 3  # x, w -> bf16 (w shared), result -> fp32
@@ -77,7 +77,7 @@ def test_insert_casts_activation_between_matmuls_stays_low():
 def test_insert_casts_residual_add_promotes_to_fp32():
     """x + f(x): the residual stream stays fp32, the branch is cast up once."""
     gm, _ = rewrite(lambda x, w: x + x @ w, x, w)
-    add, = nodes_of(gm, aten.add)
+    (add,) = nodes_of(gm, aten.add)
     assert info(add).precision is Precision.PROMOTE and add.meta["val"].dtype == fp32
     assert len(casts(gm)) == 3 and out_dtypes(gm) == [fp32]
 
@@ -94,16 +94,16 @@ def test_user_cast_survives_and_is_pinned():
 def test_integer_and_float64_untouched():
     """float64 matmuls and integer ops get no casts."""
     x64, w64 = x.double(), w.double()
-    gm, _ = rewrite(lambda a, b, i: ((a @ b).sum(), (i * 2).sum()), x64, w64,
-                    torch.arange(4))
+    gm, _ = rewrite(lambda a, b, i: ((a @ b).sum(), (i * 2).sum()), x64, w64, torch.arange(4))
     assert casts(gm) == []
-    mm, = nodes_of(gm, aten.matmul)
+    (mm,) = nodes_of(gm, aten.matmul)
     assert "float64" in info(mm).reason
     assert out_dtypes(gm) == [torch.float64, torch.int64]
 
 
 def test_inplace_write_gets_fresh_casts_per_reader():
     """A view whose base is written in place between two reads is cast afresh for each."""
+
     def f(x, w):
         v = x.view(4, 8)
         a = v @ w
@@ -111,7 +111,7 @@ def test_inplace_write_gets_fresh_casts_per_reader():
         return a, v @ w
 
     gm, _ = rewrite(f, x.clone(), w)
-    view, = nodes_of(gm, aten.view)
+    (view,) = nodes_of(gm, aten.view)
     sources = [s for s, d in cast_pairs(gm) if d == bf16]
     assert sources.count(view.name) == 2
     assert len(sources) == 3  # the view twice, w once
@@ -126,13 +126,14 @@ def test_inplace_write_gets_fresh_casts_per_reader():
 
 def test_inplace_on_low_value_runs_in_its_dtype():
     """h.mul_(2) on a bf16 matmul result runs in bf16; softmax then gets a fresh fp32 cast."""
+
     def f(x, w):
         h = x @ w
         h.mul_(2)
         return torch.softmax(h, -1)
 
     gm, _ = rewrite(f, x, w)
-    mul, = nodes_of(gm, aten.mul_)
+    (mul,) = nodes_of(gm, aten.mul_)
     assert mul.meta["val"].dtype == bf16 and "in-place" in info(mul).reason
     assert len(casts(gm)) == 3
 
@@ -166,12 +167,12 @@ def test_fold_drops_own_noop_cast_keeps_user_cast():
     user = next(n for n in gm.graph.nodes if n.target is aten.to.dtype)
     with gm.graph.inserting_after(user):
         extra = gm.graph.call_function(CAST_OP, (user,), {"dtype": fp32})
-    extra.meta.update(val=user.meta["val"], amp=type(info(user))(
-        Precision.FP32, "test", inserted=True, planned=fp32, orig=fp32))
+    extra.meta.update(
+        val=user.meta["val"], amp=type(info(user))(Precision.FP32, "test", inserted=True, planned=fp32, orig=fp32)
+    )
     sm = next(iter(user.users.keys() - {extra}))
     sm.replace_input_with(user, extra)
-    ctx = PassContext(policy=backend.records[0].options.policy(bf16),
-                      options=backend.records[0].options)
+    ctx = PassContext(policy=backend.records[0].options.policy(bf16), options=backend.records[0].options)
     result = fold_casts(gm, ctx)
     assert result.modified and result.detail == {"noop": 1}
     assert extra not in gm.graph.nodes and user in gm.graph.nodes
@@ -180,11 +181,10 @@ def test_fold_drops_own_noop_cast_keeps_user_cast():
 def test_verify_names_the_node_that_breaks_an_invariant():
     """Feeding an fp32 value straight into a LOW matmul fails verification, naming it."""
     gm, backend = rewrite(lambda x, w: x @ w, x, w)
-    mm, = nodes_of(gm, aten.matmul)
+    (mm,) = nodes_of(gm, aten.matmul)
     cast = mm.args[0]
     mm.replace_input_with(cast, cast.args[0])
-    ctx = PassContext(policy=backend.records[0].options.policy(bf16),
-                      options=backend.records[0].options)
+    ctx = PassContext(policy=backend.records[0].options.policy(bf16), options=backend.records[0].options)
     with pytest.raises(AmpVerifyError, match=r"node 'matmul'.*arrives as fp32.*LOW"):
         verify_plan(gm, ctx)
 
@@ -192,7 +192,7 @@ def test_verify_names_the_node_that_breaks_an_invariant():
 def test_unknown_op_fp32_and_reported():
     """Ops in no table run in FP32 and are counted once per graph."""
     gm, backend = rewrite(lambda x, w: torch.special.bessel_j0(x @ w), x, w)
-    j0, = nodes_of(gm, aten.special_bessel_j0)
+    (j0,) = nodes_of(gm, aten.special_bessel_j0)
     assert info(j0).precision is Precision.FP32 and "unknown" in info(j0).reason
     assert backend.plan().summary()["unknown_ops"] == {"aten.special_bessel_j0.default": 1}
 
@@ -217,18 +217,18 @@ def test_fp16_plan_uses_fp16_and_moves_div_to_fp32():
     """FP16 casts to float16; division (overflow-prone) runs in FP32 under FP16 only."""
     f = lambda x, w: (x @ w) / 3.0  # noqa: E731
     gm16, _ = rewrite(f, x, w, dtype="fp16")
-    div, = nodes_of(gm16, aten.div)
+    (div,) = nodes_of(gm16, aten.div)
     assert info(div).precision is Precision.FP32
     assert {d for _, d in cast_pairs(gm16)} == {torch.float16, fp32}
     gm_bf, _ = rewrite(f, x, w)
-    div, = nodes_of(gm_bf, aten.div)
+    (div,) = nodes_of(gm_bf, aten.div)
     assert info(div).precision is Precision.PROMOTE and div.meta["val"].dtype == bf16
 
 
 def test_override_pins_matmul_to_fp32():
     gm, _ = rewrite(lambda x, w: x @ w, x, w, fp32_ops=["aten.matmul"])
     assert casts(gm) == []
-    mm, = nodes_of(gm, aten.matmul)
+    (mm,) = nodes_of(gm, aten.matmul)
     assert info(mm).reason == "user override: in fp32_ops"
 
 
@@ -245,13 +245,14 @@ def cast_elements(gm):
 def test_min_cut_casts_before_an_expand_not_after():
     """FP32 softmax -> expand x16 -> matmul: greedy casts the expanded tensor; the cut
     moves the expand to 16 bit and casts the small one (exact: the matmul rounds anyway)."""
+
     def fn(s, w):
-        p = torch.softmax(s, -1)                 # FP32, (4, 8)
-        big = p.unsqueeze(0).expand(16, 4, 8)    # flexible, 16x larger
+        p = torch.softmax(s, -1)  # FP32, (4, 8)
+        big = p.unsqueeze(0).expand(16, 4, 8)  # flexible, 16x larger
         return big @ w
 
     gm, backend = rewrite(fn, x, w)
-    expand, = nodes_of(gm, aten.expand)
+    (expand,) = nodes_of(gm, aten.expand)
     assert info(expand).planned == bf16 and "minimum cut" in info(expand).reason
     # to bf16: the (4, 8) softmax output and w; never the (16, 4, 8) expanded value
     down = [n.meta["val"].numel() for n in casts(gm) if n.kwargs["dtype"] == bf16]
@@ -263,14 +264,15 @@ def test_min_cut_casts_before_an_expand_not_after():
 def test_min_cut_never_rounds_what_greedy_kept_fp32():
     """An FP32 value read by an FP32 op and by a matmul through a view keeps its FP32
     path: the view may not move to 16 bit when another reader needs FP32."""
+
     def fn(s, w):
         p = torch.softmax(s, -1)
         v = p.view(4, 8)
         return (v @ w).sum() + v.exp().sum()
 
     gm, _ = rewrite(fn, x, w)
-    view, = nodes_of(gm, aten.view)
-    exp, = nodes_of(gm, aten.exp)
+    (view,) = nodes_of(gm, aten.view)
+    (exp,) = nodes_of(gm, aten.exp)
     assert info(view).planned == fp32 and exp.args[0].meta["val"].dtype == fp32
 
 
@@ -293,7 +295,7 @@ def test_min_cut_never_moves_a_fill_of_fp32_min_into_16_bit():
         return torch.softmax(s, -1).masked_fill(m, torch.finfo(torch.float32).min) @ w
 
     gm, _ = rewrite(fn, x, mask, w)
-    fill, = nodes_of(gm, aten.masked_fill)
+    (fill,) = nodes_of(gm, aten.masked_fill)
     assert info(fill).planned == fp32 and not _candidate(fill, bf16)
     gm(x, mask, w)  # runs: no constant overflow
 
@@ -311,12 +313,12 @@ def _sdpa_cases():
     return {
         "causal": ((r(2, 3, 5, 8), r(2, 3, 5, 8), r(2, 3, 5, 8)), dict(is_causal=True)),
         "causal_fewer_queries": ((r(2, 3, 3, 8), r(2, 3, 5, 8), r(2, 3, 5, 8)), dict(is_causal=True)),
-        "bool_mask_row_all_masked": ((r(2, 3, 5, 8), r(2, 3, 7, 8), r(2, 3, 7, 4)),
-                                     dict(attn_mask=rows_masked)),
-        "float_mask_row_all_inf": ((r(2, 3, 5, 8), r(2, 3, 7, 8), r(2, 3, 7, 8)),
-                                   dict(attn_mask=float_mask)),
-        "scale_and_gqa": ((r(2, 4, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)),
-                          dict(scale=0.3, enable_gqa=True, is_causal=True)),
+        "bool_mask_row_all_masked": ((r(2, 3, 5, 8), r(2, 3, 7, 8), r(2, 3, 7, 4)), dict(attn_mask=rows_masked)),
+        "float_mask_row_all_inf": ((r(2, 3, 5, 8), r(2, 3, 7, 8), r(2, 3, 7, 8)), dict(attn_mask=float_mask)),
+        "scale_and_gqa": (
+            (r(2, 4, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)),
+            dict(scale=0.3, enable_gqa=True, is_causal=True),
+        ),
         "no_batch_dim": ((r(3, 5, 8), r(3, 5, 8), r(3, 5, 8)), {}),
     }
 
@@ -328,13 +330,12 @@ def _decomposed(fn, inputs, **options):
 
     gm, fake_mode, _ = to_aten(torch.fx.symbolic_trace(fn), inputs)
     opts = AmpBackend(**options).options
-    result = decompose_attention(gm, PassContext(policy=opts.policy(bf16), options=opts,
-                                                 fake_mode=fake_mode))
+    result = decompose_attention(gm, PassContext(policy=opts.policy(bf16), options=opts, fake_mode=fake_mode))
     return result.detail, gm
 
 
 def test_attention_option_overrides_the_measured_rule():
-    """"fused" keeps a short SDPA that "auto" writes out; "explicit" writes out a long one that
+    """ "fused" keeps a short SDPA that "auto" writes out; "explicit" writes out a long one that
     "auto" keeps."""
     from amp_compiler.passes.decompose_attention import SHORT_SCORES
 

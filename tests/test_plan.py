@@ -26,8 +26,17 @@ def test_explain_returns_plan_with_reason_per_node():
 def test_plan_to_dict_is_json_with_documented_schema():
     d = json.loads(json.dumps(amp_compiler.explain(TinyLM(), ids).to_dict()))
     assert d["schema"] == SCHEMA and d["dtype"] == "bf16"
-    assert set(d["nodes"][0]) == {"graph", "name", "op", "module", "precision", "reason",
-                                  "compute_dtype", "dtype", "casts"}
+    assert set(d["nodes"][0]) == {
+        "graph",
+        "name",
+        "op",
+        "module",
+        "precision",
+        "reason",
+        "compute_dtype",
+        "dtype",
+        "casts",
+    }
     by_op = {n["op"]: n for n in d["nodes"]}
     assert by_op["aten.linear.default"]["compute_dtype"] == "bf16"
     assert by_op["aten.softmax.int"]["compute_dtype"] == "fp32"
@@ -62,10 +71,16 @@ def test_explain_leaves_model_untouched():
 def test_backend_records_each_graph():
     backend = amp_compiler.AmpBackend(inner="eager")
     torch.compile(TinyLM(), backend=backend)(ids)
-    rec, = backend.records
+    (rec,) = backend.records
     assert rec.index == 0 and rec.dtype == "bf16" and rec.plan.nodes
-    assert [p.name for p in rec.passes] == ["decompose_attention", "tag_precision", "place_flexible",
-                                            "insert_casts", "fold_casts", "verify_plan"]
+    assert [p.name for p in rec.passes] == [
+        "decompose_attention",
+        "tag_precision",
+        "place_flexible",
+        "insert_casts",
+        "fold_casts",
+        "verify_plan",
+    ]
     assert isinstance(rec.graph, torch.fx.GraphModule)
 
 

@@ -56,21 +56,40 @@ def test_policy_fp16_moves_overflow_prone_ops_to_fp32():
             assert fp16.decide(op) is bf16.decide(op), op
 
 
-@pytest.mark.parametrize("op,precision", [
-    (aten.mm, Precision.LOW), (aten.linear, Precision.LOW), (aten.convolution, Precision.LOW),
-    (aten.scaled_dot_product_attention, Precision.LOW), (aten.einsum, Precision.LOW),
-    (aten.softmax, Precision.FP32), (aten.layer_norm, Precision.FP32),
-    (aten.rms_norm, Precision.FP32), (aten.sum, Precision.FP32), (aten.exp, Precision.FP32),
-    (aten.cross_entropy_loss, Precision.FP32), (aten.log_sigmoid, Precision.FP32),
-    (aten.cat, Precision.PROMOTE), (aten.add, Precision.PROMOTE), (aten.where, Precision.PROMOTE),
-    (aten.index_put, Precision.PROMOTE), (aten.addcmul, Precision.PROMOTE),
-    (aten.view, Precision.PASSTHROUGH), (aten.gelu, Precision.PASSTHROUGH),
-    (aten.relu, Precision.PASSTHROUGH), (aten.embedding, Precision.PASSTHROUGH),
-    (aten.embedding_bag, Precision.FP32), (aten.linalg_inv, Precision.FP32),
-    (aten.nan_to_num, Precision.FP32), (aten.multinomial, Precision.FP32),
-    (aten.searchsorted, Precision.PROMOTE), (aten.scatter_reduce, Precision.PROMOTE),
-    (aten.isnan, Precision.PASSTHROUGH), (aten.reflection_pad2d, Precision.PASSTHROUGH),
-])
+@pytest.mark.parametrize(
+    "op,precision",
+    [
+        (aten.mm, Precision.LOW),
+        (aten.linear, Precision.LOW),
+        (aten.convolution, Precision.LOW),
+        (aten.scaled_dot_product_attention, Precision.LOW),
+        (aten.einsum, Precision.LOW),
+        (aten.softmax, Precision.FP32),
+        (aten.layer_norm, Precision.FP32),
+        (aten.rms_norm, Precision.FP32),
+        (aten.sum, Precision.FP32),
+        (aten.exp, Precision.FP32),
+        (aten.cross_entropy_loss, Precision.FP32),
+        (aten.log_sigmoid, Precision.FP32),
+        (aten.cat, Precision.PROMOTE),
+        (aten.add, Precision.PROMOTE),
+        (aten.where, Precision.PROMOTE),
+        (aten.index_put, Precision.PROMOTE),
+        (aten.addcmul, Precision.PROMOTE),
+        (aten.view, Precision.PASSTHROUGH),
+        (aten.gelu, Precision.PASSTHROUGH),
+        (aten.relu, Precision.PASSTHROUGH),
+        (aten.embedding, Precision.PASSTHROUGH),
+        (aten.embedding_bag, Precision.FP32),
+        (aten.linalg_inv, Precision.FP32),
+        (aten.nan_to_num, Precision.FP32),
+        (aten.multinomial, Precision.FP32),
+        (aten.searchsorted, Precision.PROMOTE),
+        (aten.scatter_reduce, Precision.PROMOTE),
+        (aten.isnan, Precision.PASSTHROUGH),
+        (aten.reflection_pad2d, Precision.PASSTHROUGH),
+    ],
+)
 def test_policy_key_ops(op, precision):
     """The ops the design note names land where it says."""
     assert Policy(torch.bfloat16).decide(op) is precision
@@ -97,8 +116,7 @@ def test_policy_binary_cross_entropy_banned_with_advice():
 
 def test_policy_overrides_move_ops_between_tables():
     """An override moves an op into one table and out of the others."""
-    policy = Policy.build(torch.bfloat16, fp32_ops=["aten.mm"], low_ops=[aten.histc],
-                          remove_ops=["gelu"])
+    policy = Policy.build(torch.bfloat16, fp32_ops=["aten.mm"], low_ops=[aten.histc], remove_ops=["gelu"])
     assert policy.decide(aten.mm) is Precision.FP32
     assert policy.decide(aten.histc) is Precision.LOW
     assert policy.decide(aten.gelu) is None
@@ -124,9 +142,25 @@ def test_resolve_op_unknown_name_says_how_to_spell_it():
 def test_table_groups_cover_the_design_note():
     """LOW holds matmul/conv/attention; FP32 holds softmax, norms, reductions, math, losses."""
     assert {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul, aten.linear} <= LOW_OPS
-    assert {aten.softmax, aten.log_softmax, aten.layer_norm, aten.group_norm, aten.batch_norm,
-            aten.sum, aten.mean, aten.var, aten.prod, aten.cumsum, aten.exp, aten.log, aten.pow,
-            aten.rsqrt, aten.reciprocal, aten.mse_loss, aten.nll_loss} <= FP32_OPS
+    assert {
+        aten.softmax,
+        aten.log_softmax,
+        aten.layer_norm,
+        aten.group_norm,
+        aten.batch_norm,
+        aten.sum,
+        aten.mean,
+        aten.var,
+        aten.prod,
+        aten.cumsum,
+        aten.exp,
+        aten.log,
+        aten.pow,
+        aten.rsqrt,
+        aten.reciprocal,
+        aten.mse_loss,
+        aten.nll_loss,
+    } <= FP32_OPS
     assert {aten.cat, aten.stack, aten.index_put, aten.addcmul, aten.where} <= PROMOTE_OPS
     assert {aten.view, aten.permute, aten.transpose, aten.reshape} <= PASSTHROUGH_OPS
 

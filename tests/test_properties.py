@@ -52,12 +52,10 @@ def build(program):
 
 def inputs():
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g) / 3,
-            torch.randn(8, 8, generator=g) / 3]
+    return [torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g) / 3, torch.randn(8, 8, generator=g) / 3]
 
 
-common = settings(max_examples=40, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow])
+common = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @common
@@ -70,8 +68,7 @@ def test_property_every_node_sees_its_dtype(program, dtype):
     for node in gm.graph.nodes:
         i = info(node)
         assert i is not None and i.reason
-        floats = [n.meta["val"].dtype for n in tensor_inputs(node)
-                  if n.meta["val"].dtype in AMP_FLOATS]
+        floats = [n.meta["val"].dtype for n in tensor_inputs(node) if n.meta["val"].dtype in AMP_FLOATS]
         if is_inserted_cast(node):
             assert not is_inserted_cast(node.args[0]), node.name
             continue

@@ -35,14 +35,19 @@ def data(seed=0, n=64, noise=0.1):
 
 # ---- LossScaler as a GradScaler drop-in -------------------------------------------------
 
+
 def test_loss_scaler_is_gradscaler_with_same_signature_and_defaults():
     s = LossScaler("cpu")
     assert isinstance(s, torch.amp.GradScaler)
-    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) \
-        == (2.0**16, 2.0, 0.5, 2000)
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (
+        2.0**16,
+        2.0,
+        0.5,
+        2000,
+    )
     theirs = list(inspect.signature(torch.amp.GradScaler.__init__).parameters)
     ours = list(inspect.signature(LossScaler.__init__).parameters)
-    assert ours[:len(theirs)] == theirs
+    assert ours[: len(theirs)] == theirs
 
 
 def run_scaler(scaler, flags):
@@ -137,6 +142,7 @@ def test_loss_scaler_bad_arguments():
 
 # ---- make_train_step -----------------------------------------------------------------------
 
+
 def inject(model, bad_steps, kind="inf"):
     """A gradient hook that poisons the first weight's gradient on chosen calls."""
     calls = {"n": 0}
@@ -159,8 +165,9 @@ def test_fault_injection_skips_step_and_leaves_state_bit_identical(dtype, kind):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     scaler = LossScaler("cpu", init_scale=256.0, dtype=dtype)
-    step = make_train_step(model, opt, F.mse_loss, dtype=dtype, scaler=scaler,
-                           lr_scheduler=sched, compile_options=INNER)
+    step = make_train_step(
+        model, opt, F.mse_loss, dtype=dtype, scaler=scaler, lr_scheduler=sched, compile_options=INNER
+    )
     inject(model, {3, 6}, kind)
     x, y = data()
     for i in range(1, 8):
@@ -188,8 +195,15 @@ def test_monitor_alerts_on_persistent_problem_within_check_every(caplog):
     monitor = NonFiniteMonitor(check_every=20, window=100, on_alert=events.append)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    step = make_train_step(model, opt, F.mse_loss, dtype="fp16", monitor=monitor,
-                           scaler=LossScaler("cpu", init_scale=1024.0), compile_options=INNER)
+    step = make_train_step(
+        model,
+        opt,
+        F.mse_loss,
+        dtype="fp16",
+        monitor=monitor,
+        scaler=LossScaler("cpu", init_scale=1024.0),
+        compile_options=INNER,
+    )
     inject(model, set(range(30, 200, 2)))
     x, y = data()
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
@@ -215,8 +229,7 @@ def simulate_scaling(steps, growth_interval, fits_below, monitor, start_bad=None
             p.grad.fill_(float("inf"))
         scaler.step(opt)
         scaler.update()
-        monitor.observe(scaler.last_step_skipped, scale_before=before,
-                        scale_after=scaler.get_scale(), scaler=scaler)
+        monitor.observe(scaler.last_step_skipped, scale_before=before, scale_after=scaler.get_scale(), scaler=scaler)
     return scaler
 
 
@@ -246,7 +259,7 @@ def test_monitor_bf16_alerts_only():
     monitor = NonFiniteMonitor(check_every=10, window=10)
     for i in range(10):
         monitor.observe(i % 2 == 0, dtype="bf16")
-    e, = monitor.alerts
+    (e,) = monitor.alerts
     assert e.scale_before is None and e.scale_after is None and "alerting only" in e.message
 
 
@@ -293,12 +306,10 @@ def test_low_precision_training_reaches_fp32_loss(dtype):
 
 
 def test_auto_dtype_falls_back_to_fp16_with_scaling(monkeypatch, caplog):
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda d: (frozenset({"fp16"}), "fake: no BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d: (frozenset({"fp16"}), "fake: no BF16"))
     model = mlp()
     with caplog.at_level(logging.INFO, logger="amp_compiler"):
-        step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
-                               compile_options=INNER)
+        step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, compile_options=INNER)
     assert step.dtype == "fp16" and step.scaler.is_enabled()
     assert "fake: no BF16" in step.dtype_reason and "FP16" in step.dtype_reason
     assert any("fp16" in r.getMessage() for r in caplog.records)
@@ -307,11 +318,9 @@ def test_auto_dtype_falls_back_to_fp16_with_scaling(monkeypatch, caplog):
 
 
 def test_auto_dtype_bf16_has_no_scaling(monkeypatch):
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda d: (frozenset({"bf16"}), "fake: BF16"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d: (frozenset({"bf16"}), "fake: BF16"))
     model = mlp()
-    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
-                           compile_options=INNER)
+    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, compile_options=INNER)
     assert step.dtype == "bf16" and not step.scaler.is_enabled()
     assert step(*data()).scale == 1.0
 
@@ -319,11 +328,9 @@ def test_auto_dtype_bf16_has_no_scaling(monkeypatch):
 def test_auto_dtype_trains_fp32_without_scaler_where_16_bit_is_emulated(monkeypatch):
     """No fast 16 bit: the step trains the FP32 program itself (a plain FP32 loop's losses,
     up to the fused update's rounding), with no scaler, and says why."""
-    monkeypatch.setattr(amp_compiler.device, "native_dtypes",
-                        lambda d: (frozenset(), "fake: emulated 16 bit"))
+    monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda d: (frozenset(), "fake: emulated 16 bit"))
     model, ref = mlp(), mlp()
-    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.mse_loss,
-                           compile_options=INNER)
+    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.mse_loss, compile_options=INNER)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     assert step.dtype == "fp32" and not step.scaler.is_enabled()
     assert "fake: emulated 16 bit" in step.dtype_reason
@@ -346,10 +353,15 @@ def test_checkpoint_resume_reproduces_uninterrupted_run():
 
     def build(model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        step = make_train_step(model, opt, F.mse_loss, dtype="fp16",
-                               scaler=LossScaler("cpu", init_scale=512.0, growth_interval=3),
-                               monitor=NonFiniteMonitor(check_every=4, window=8),
-                               compile_options=INNER)
+        step = make_train_step(
+            model,
+            opt,
+            F.mse_loss,
+            dtype="fp16",
+            scaler=LossScaler("cpu", init_scale=512.0, growth_interval=3),
+            monitor=NonFiniteMonitor(check_every=4, window=8),
+            compile_options=INNER,
+        )
         return opt, step
 
     full = mlp()
@@ -363,8 +375,7 @@ def test_checkpoint_resume_reproduces_uninterrupted_run():
     inject(part, {2, 5, 9})
     for _ in range(6):
         step1(x, y)
-    ckpt = copy.deepcopy({"model": part.state_dict(), "opt": opt1.state_dict(),
-                          "step": step1.state_dict()})
+    ckpt = copy.deepcopy({"model": part.state_dict(), "opt": opt1.state_dict(), "step": step1.state_dict()})
     resumed = mlp(seed=1)
     opt2, step2 = build(resumed)
     resumed.load_state_dict(ckpt["model"])
@@ -389,8 +400,7 @@ def test_half_model_is_refused_with_advice():
 def test_grad_accumulation_steps_every_n_calls():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = make_train_step(model, opt, F.mse_loss, dtype="bf16", grad_accum=2,
-                           compile_options=INNER)
+    step = make_train_step(model, opt, F.mse_loss, dtype="bf16", grad_accum=2, compile_options=INNER)
     x, y = data()
     w0 = model[0].weight.detach().clone()
     r1 = step(x[:32], y[:32])
@@ -399,15 +409,17 @@ def test_grad_accumulation_steps_every_n_calls():
     assert r2.stepped and step.optimizer_steps == 1
     ref = mlp()
     F.mse_loss(ref(x), y).backward()
-    torch.testing.assert_close(r2.grad_norm, torch.nn.utils.get_total_norm(
-        [p.grad for p in ref.parameters()]), rtol=0.02, atol=1e-3)
+    torch.testing.assert_close(
+        r2.grad_norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]), rtol=0.02, atol=1e-3
+    )
 
 
 def test_max_grad_norm_clips():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    step = make_train_step(model, opt, lambda o, t: 1e3 * F.mse_loss(o, t), dtype="bf16",
-                           max_grad_norm=0.5, compile_options=INNER)
+    step = make_train_step(
+        model, opt, lambda o, t: 1e3 * F.mse_loss(o, t), dtype="bf16", max_grad_norm=0.5, compile_options=INNER
+    )
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     r = step(*data())
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -436,6 +448,7 @@ def test_loss_scaler_skip_signal_with_fused_optimizer():
 def test_alert_names_the_first_inf_node_and_suggests_a_pin():
     """FP16: a layer whose outputs leave FP16's range makes steps skip; the alert (computed
     after the fact, off the hot path) names that node and the pin that keeps it FP32."""
+
     class Blowup(nn.Module):
         def __init__(self):
             super().__init__()
@@ -448,9 +461,15 @@ def test_alert_names_the_first_inf_node_and_suggests_a_pin():
     model = Blowup()
     events = []
     monitor = NonFiniteMonitor(check_every=1, threshold=0.0, window=1, on_alert=events.append)
-    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), F.mse_loss,
-                           dtype="fp16", monitor=monitor, compile_options=INNER,
-                           scaler=LossScaler("cpu", init_scale=1.0))
+    step = make_train_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        F.mse_loss,
+        dtype="fp16",
+        monitor=monitor,
+        compile_options=INNER,
+        scaler=LossScaler("cpu", init_scale=1.0),
+    )
     x, y = data()
     for _ in range(3):
         step(x[:, :8], y)
@@ -463,6 +482,7 @@ def test_alert_names_the_first_inf_node_and_suggests_a_pin():
 
 
 # ---- the loss compiled into the model's graph -------------------------------------------
+
 
 class TinyLM(nn.Module):
     def __init__(self, vocab=64, d=16):
@@ -480,8 +500,7 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-LOSS_OPS = (aten._log_softmax, aten._log_softmax_backward_data, aten.nll_loss_forward,
-            aten.nll_loss_backward)
+LOSS_OPS = (aten._log_softmax, aten._log_softmax_backward_data, aten.nll_loss_forward, aten.nll_loss_backward)
 
 
 def _lm_steps(compile_loss, loss_fn=lm_loss, inputs=lambda ids: ids, n=3):
@@ -489,8 +508,9 @@ def _lm_steps(compile_loss, loss_fn=lm_loss, inputs=lambda ids: ids, n=3):
     torch.manual_seed(0)
     model, rec = TinyLM(), OpRecorder()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = make_train_step(model, opt, loss_fn, dtype="bf16", compile_loss=compile_loss,
-                           compile_options={"inner": recording_backend(rec)})
+    step = make_train_step(
+        model, opt, loss_fn, dtype="bf16", compile_loss=compile_loss, compile_options={"inner": recording_backend(rec)}
+    )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (4, 8), generator=g)
     losses = [step(inputs(ids), torch.roll(ids, -1, 1)).loss.item() for _ in range(n)]
@@ -528,8 +548,13 @@ def test_compiled_loss_keeps_keyword_inputs_graph_breaks_and_module_pins():
     # module paths seen from the joint frame are the model's own ("body.0", not "_orig_mod.body.0")
     torch.manual_seed(0)
     model = TinyLM()
-    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16",
-                           compile_options={**INNER, "fp32_modules": [r"^body\.0$"]})
+    step = make_train_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_loss,
+        dtype="bf16",
+        compile_options={**INNER, "fp32_modules": [r"^body\.0$"]},
+    )
     ids = torch.randint(0, 64, (2, 8))
     step(ids, ids)
     linears = {n.module: n.precision for n in step.backend.plan().nodes if "linear" in n.op}
@@ -543,15 +568,19 @@ def _sequence_logp(logits, ids):
 
 LOSSES = {
     "ce-ignore-smooth": lambda lo, t: F.cross_entropy(
-        lo.flatten(0, 1), torch.where(t.flatten() % 5 == 0, -100, t.flatten()), label_smoothing=0.1),
+        lo.flatten(0, 1), torch.where(t.flatten() % 5 == 0, -100, t.flatten()), label_smoothing=0.1
+    ),
     "bce-logits": lambda lo, t: F.binary_cross_entropy_with_logits(lo, F.one_hot(t, 64).float()),
-    "kl-div": lambda lo, t: F.kl_div(torch.log_softmax(lo, -1), F.one_hot(t, 64).float() * 0.9 + 0.1 / 64,
-                                     reduction="batchmean"),
-    "masked-mse": lambda lo, t: ((lo.softmax(-1) - F.one_hot(t, 64)) ** 2 * (t > 3).unsqueeze(-1)).sum()
-                                / (t > 3).sum(),
+    "kl-div": lambda lo, t: F.kl_div(
+        torch.log_softmax(lo, -1), F.one_hot(t, 64).float() * 0.9 + 0.1 / 64, reduction="batchmean"
+    ),
+    "masked-mse": lambda lo, t: (
+        ((lo.softmax(-1) - F.one_hot(t, 64)) ** 2 * (t > 3).unsqueeze(-1)).sum() / (t > 3).sum()
+    ),
     # DPO's shape: a sigmoid of differences of sequence log-probabilities of two halves
-    "dpo-like": lambda lo, t: -F.logsigmoid(0.1 * (_sequence_logp(lo[:2], t[:2])
-                                                   - _sequence_logp(lo[2:], t[2:]))).mean(),
+    "dpo-like": lambda lo, t: (
+        -F.logsigmoid(0.1 * (_sequence_logp(lo[:2], t[:2]) - _sequence_logp(lo[2:], t[2:]))).mean()
+    ),
 }
 
 
@@ -563,8 +592,14 @@ def test_compiled_loss_trains_as_the_loss_run_as_written(loss, dtype):
     for compile_loss in (True, False):
         torch.manual_seed(0)
         model = TinyLM()
-        step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), LOSSES[loss],
-                               dtype=dtype, compile_loss=compile_loss, compile_options=INNER)
+        step = make_train_step(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            LOSSES[loss],
+            dtype=dtype,
+            compile_loss=compile_loss,
+            compile_options=INNER,
+        )
         ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
         losses = [step(ids, torch.roll(ids, -1, 1)).loss.item() for _ in range(3)]
         runs[compile_loss] = losses, [p.detach().clone() for p in model.parameters()]
@@ -608,8 +643,14 @@ def test_dpo_with_a_frozen_reference_inside_the_loss():
         loss_auto = dpo(auto(torch.cat([chosen, rejected])), chosen, rejected)
     loss_auto.backward()
     rec = OpRecorder()
-    step = make_train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.1), dpo, dtype="bf16",
-                           grad_accum=2, compile_options={"inner": recording_backend(rec)})
+    step = make_train_step(
+        policy,
+        torch.optim.SGD(policy.parameters(), lr=0.1),
+        dpo,
+        dtype="bf16",
+        grad_accum=2,
+        compile_options={"inner": recording_backend(rec)},
+    )
     step(torch.cat([chosen, rejected]), chosen, rejected)  # a micro-step: gradients kept
     # policy forward, reference forward, policy backward: 2 + 2 + 4 matmuls, all BF16
     low = [d for d in rec.dtypes_of(aten.mm, aten.addmm, aten.bmm) if d[:2] == [torch.bfloat16] * 2]
@@ -627,8 +668,9 @@ def test_every_training_step_in_a_process_keeps_its_loss_compiled():
     ids = torch.randint(0, 64, (2, 8))
     for _ in range(torch._dynamo.config.recompile_limit + 1):
         model = TinyLM()
-        step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss,
-                               dtype="bf16", compile_options=INNER)
+        step = make_train_step(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16", compile_options=INNER
+        )
         step(ids, ids)
     assert any(n.reason.startswith("loss") for n in step.backend.plan().nodes)
 
@@ -691,8 +733,9 @@ def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
     parameters got no 16-bit speed-up and why, once, at the first step."""
     torch.manual_seed(0)
     model = RoutedExperts()
-    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
-                           dtype="bf16", compile_options=INNER)
+    step = make_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, dtype="bf16", compile_options=INNER
+    )
     x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
         step(x, y)
@@ -704,13 +747,15 @@ def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
     assert "inp." not in warned[0] and "head." not in warned[0] and "router." not in warned[0]
     assert "spare." not in warned[0]
     assert set(step.backend.coverage.parameters_outside(model)) == {
-        f"{m}.{k}" for m in ("router", "experts.0", "experts.1", "spare") for k in ("weight", "bias")}
+        f"{m}.{k}" for m in ("router", "experts.0", "experts.1", "spare") for k in ("weight", "bias")
+    }
 
 
 def test_a_fully_compiled_model_gets_no_outside_warning(caplog):
     model = TinyLM()
-    step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss,
-                           dtype="bf16", compile_options=INNER)
+    step = make_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16", compile_options=INNER
+    )
     ids = torch.randint(0, 64, (2, 8))
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
         step(ids, ids)

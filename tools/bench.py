@@ -63,8 +63,16 @@ LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
 WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "encoder-dropout", "cnn")
 HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert", "hf-qwen2", "hf-neox", "hf-opt", "hf-gemma", "hf-phi")
 # dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-               "A10G": 125.0, "V100": 125.0, "T4": 65.0}
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "V100": 125.0,
+    "T4": 65.0,
+}
 SIZES = {  # LM dimensions: d, layers, heads, batch, seq, vocab
     "cpu": dict(d=512, layers=4, heads=8, batch=8, seq=128, vocab=2048),
     "tiny": dict(d=64, layers=1, heads=2, batch=2, seq=16, vocab=64),
@@ -74,6 +82,7 @@ SIZES = {  # LM dimensions: d, layers, heads, batch, seq, vocab
 
 
 # ----------------------------------------------------------------------------- workloads
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int, explicit: bool):
@@ -114,8 +123,7 @@ class Encoder(nn.Module):
     def __init__(self, d, layers, heads, vocab, classes=10, dropout=0.0, **_):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, classes)
 
@@ -128,9 +136,15 @@ class CNN(nn.Module):
         super().__init__()
         layers, c = [], 3
         for w in (width, 2 * width, 4 * width):
-            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
-                       nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(c, w, 3, padding=1, bias=False),
+                nn.BatchNorm2d(w),
+                nn.ReLU(),
+                nn.Conv2d(w, w, 3, padding=1, bias=False),
+                nn.BatchNorm2d(w),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             c = w
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(c, classes)
@@ -181,37 +195,98 @@ def hf_model(workload: str, size: dict) -> nn.Module:
     d, n, h, v, t = size["d"], size["layers"], size["heads"], size["vocab"], size["seq"]
     torch.manual_seed(0)
     if workload == "hf-gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=d, n_layer=n, n_head=h, vocab_size=v, n_positions=t))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=d, n_layer=n, n_head=h, vocab_size=v, n_positions=t)
+        )
     if workload == "hf-llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=d, intermediate_size=8 * d // 3, num_hidden_layers=n, num_attention_heads=h,
-            num_key_value_heads=h, vocab_size=v, max_position_embeddings=t))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=d,
+                intermediate_size=8 * d // 3,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                num_key_value_heads=h,
+                vocab_size=v,
+                max_position_embeddings=t,
+            )
+        )
     if workload == "hf-bert":
-        return transformers.BertForMaskedLM(transformers.BertConfig(
-            hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d,
-            vocab_size=v, max_position_embeddings=t))
+        return transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                hidden_size=d,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                intermediate_size=4 * d,
+                vocab_size=v,
+                max_position_embeddings=t,
+            )
+        )
     if workload == "hf-qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            hidden_size=d, intermediate_size=8 * d // 3, num_hidden_layers=n, num_attention_heads=h,
-            num_key_value_heads=max(1, h // 4), vocab_size=v, max_position_embeddings=t))
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                hidden_size=d,
+                intermediate_size=8 * d // 3,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                num_key_value_heads=max(1, h // 4),
+                vocab_size=v,
+                max_position_embeddings=t,
+            )
+        )
     if workload == "hf-neox":
-        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-            hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
-            vocab_size=v, max_position_embeddings=t, rotary_pct=0.25, hidden_dropout=0.0,
-            attention_dropout=0.0))
+        return transformers.GPTNeoXForCausalLM(
+            transformers.GPTNeoXConfig(
+                hidden_size=d,
+                intermediate_size=4 * d,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                vocab_size=v,
+                max_position_embeddings=t,
+                rotary_pct=0.25,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+            )
+        )
     if workload == "hf-opt":
-        return transformers.OPTForCausalLM(transformers.OPTConfig(
-            hidden_size=d, ffn_dim=4 * d, num_hidden_layers=n, num_attention_heads=h, vocab_size=v,
-            max_position_embeddings=t, word_embed_proj_dim=d, dropout=0.0, attention_dropout=0.0))
+        return transformers.OPTForCausalLM(
+            transformers.OPTConfig(
+                hidden_size=d,
+                ffn_dim=4 * d,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                vocab_size=v,
+                max_position_embeddings=t,
+                word_embed_proj_dim=d,
+                dropout=0.0,
+                attention_dropout=0.0,
+            )
+        )
     if workload == "hf-gemma":
-        return transformers.GemmaForCausalLM(transformers.GemmaConfig(
-            hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
-            num_key_value_heads=1, head_dim=d // h, vocab_size=v, max_position_embeddings=t))
-    return transformers.PhiForCausalLM(transformers.PhiConfig(
-        hidden_size=d, intermediate_size=4 * d, num_hidden_layers=n, num_attention_heads=h,
-        vocab_size=v, max_position_embeddings=t, resid_pdrop=0.0, embd_pdrop=0.0,
-        attention_dropout=0.0))
+        return transformers.GemmaForCausalLM(
+            transformers.GemmaConfig(
+                hidden_size=d,
+                intermediate_size=4 * d,
+                num_hidden_layers=n,
+                num_attention_heads=h,
+                num_key_value_heads=1,
+                head_dim=d // h,
+                vocab_size=v,
+                max_position_embeddings=t,
+            )
+        )
+    return transformers.PhiForCausalLM(
+        transformers.PhiConfig(
+            hidden_size=d,
+            intermediate_size=4 * d,
+            num_hidden_layers=n,
+            num_attention_heads=h,
+            vocab_size=v,
+            max_position_embeddings=t,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+        )
+    )
 
 
 def hf_loss(output, targets):
@@ -219,6 +294,7 @@ def hf_loss(output, targets):
 
 
 # ----------------------------------------------------------------------------- variants
+
 
 class CastCounter:
     """Counts floating-point casts in every graph Inductor compiles (forward and backward,
@@ -234,18 +310,27 @@ class CastCounter:
     @contextlib.contextmanager
     def installed(self):
         # caches off: a cache hit skips the passes and would also hide the first-call cost
-        with torch._inductor.config.patch(post_grad_custom_post_pass=self, fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        with (
+            torch._inductor.config.patch(post_grad_custom_post_pass=self, fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
             yield
 
 
 def _is_float_cast(node) -> bool:
-    if node.op != "call_function" or node.target not in (torch.ops.prims.convert_element_type.default,
-                                                         torch.ops.aten._to_copy.default):
+    if node.op != "call_function" or node.target not in (
+        torch.ops.prims.convert_element_type.default,
+        torch.ops.aten._to_copy.default,
+    ):
         return False
     src, out = node.args[0].meta.get("val"), node.meta.get("val")
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
-            and src.is_floating_point() and out.is_floating_point() and src.dtype != out.dtype)
+    return (
+        isinstance(src, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and src.is_floating_point()
+        and out.is_floating_point()
+        and src.dtype != out.dtype
+    )
 
 
 @dataclass
@@ -273,6 +358,7 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         options = {"memory_budget": LOWMEM_BUDGET} if name == "amp-step-lowmem" else None
         ts = make_train_step(model, opt, loss_fn, dtype=dtype, compile_options=options)
+
         def train(x, y, grab=None):
             fused = ts.fused
 
@@ -328,6 +414,7 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
 
 
 # ----------------------------------------------------------------------------- measurements
+
 
 def _sync(device):
     if device == "cuda":
@@ -420,14 +507,12 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
                 torch.cuda.reset_peak_memory_stats()
             # each variant compiles into an empty kernel cache, in memory and on disk: kernels
             # an earlier variant compiled must not make a later one's first call look cheap
-            with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-                                                   delete=False):
+            with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"), delete=False):
                 kernels = inductor_metrics.generated_kernel_count
                 v.result["first_call_s"] = timed(lambda v=v: first_step(v, x, y), device)
                 # what the first call compiles (C++/Triton kernels Inductor generated): on few
                 # cores the compiler's time, and unlike seconds the same on every machine
-                v.result["kernels"] = (inductor_metrics.generated_kernel_count - kernels
-                                       if v.compiled else None)
+                v.result["kernels"] = inductor_metrics.generated_kernel_count - kernels if v.compiled else None
             v.step(x, y)
             if device == "cuda":
                 v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -481,10 +566,18 @@ def machine(device: str, dtype: str, reason: str) -> dict:
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "python": platform.python_version(), "cpu": cpu, "threads": torch.get_num_threads(),
-            "cpu_kind": native_dtypes(torch.device("cpu"))[1], "device": device,
-            "dtype": dtype, "dtype_reason": reason, "command": " ".join(["python"] + sys.argv)}
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "cpu_kind": native_dtypes(torch.device("cpu"))[1],
+        "device": device,
+        "dtype": dtype,
+        "dtype_reason": reason,
+        "command": " ".join(["python"] + sys.argv),
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -492,8 +585,17 @@ def machine(device: str, dtype: str, reason: str) -> dict:
 
 # ----------------------------------------------------------------------------- output
 
-COLUMNS = ("step ms", "vs fp32 eager", "vs {base}", "paired", "infer ms", "saved MiB",
-           "first call s", "casts", "grad cos")
+COLUMNS = (
+    "step ms",
+    "vs fp32 eager",
+    "vs {base}",
+    "paired",
+    "infer ms",
+    "saved MiB",
+    "first call s",
+    "casts",
+    "grad cos",
+)
 
 
 def baseline(workload: dict) -> str | None:
@@ -521,28 +623,41 @@ def rows(workload: dict) -> list[tuple[str, ...]]:
     for name, r in workload["variants"].items():
         paired = f"{paired_ratio(r['step_ms_samples'], base['step_ms_samples']):.2f}" if base else "-"
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
-        out.append((name, f"{r['step_ms']:.1f}", f"{r['vs_fp32_eager']:.2f}x" if "vs_fp32_eager" in r else "-",
-                    ratio, paired,
-                    f"{r['infer_ms']:.1f}", f"{r['saved_bytes'] / 2**20:.1f}",
-                    f"{r['first_call_s']:.1f}", "-" if r["casts"] is None else str(r["casts"]),
-                    f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-")
-                   + (("-" if r.get("kernels") is None else str(r["kernels"]),) if kernels else ())
-                   + ((f"{r['tflops']:.1f}", "-" if r.get("mfu") is None else f"{r['mfu']:.1%}")
-                      if "tflops" in r else ()))
+        out.append(
+            (
+                name,
+                f"{r['step_ms']:.1f}",
+                f"{r['vs_fp32_eager']:.2f}x" if "vs_fp32_eager" in r else "-",
+                ratio,
+                paired,
+                f"{r['infer_ms']:.1f}",
+                f"{r['saved_bytes'] / 2**20:.1f}",
+                f"{r['first_call_s']:.1f}",
+                "-" if r["casts"] is None else str(r["casts"]),
+                f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-",
+            )
+            + (("-" if r.get("kernels") is None else str(r["kernels"]),) if kernels else ())
+            + ((f"{r['tflops']:.1f}", "-" if r.get("mfu") is None else f"{r['mfu']:.1%}") if "tflops" in r else ())
+        )
     return out
 
 
 def markdown(results: dict) -> str:
     m = results["machine"]
-    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_kind']}, {m['threads']} threads)"
-             + (f", {m['gpu']}" if "gpu" in m else "") + f", torch {m['torch']}, dtype {m['dtype']}"
-             f" ({m['dtype_reason']}); `{m['command']}`. Medians of interleaved repetitions; "
-             "`vs autocast+inductor` (`vs fp32-inductor` in a run without 16-bit variants) is the ratio "
-             "of median step times (below 1 is faster); `paired` the median of the ratios within each "
-             "repetition, which a busy machine moves less.", ""]
+    lines = [
+        f"Measured {m['date']} on {m['cpu']} ({m['cpu_kind']}, {m['threads']} threads)"
+        + (f", {m['gpu']}" if "gpu" in m else "")
+        + f", torch {m['torch']}, dtype {m['dtype']}"
+        f" ({m['dtype_reason']}); `{m['command']}`. Medians of interleaved repetitions; "
+        "`vs autocast+inductor` (`vs fp32-inductor` in a run without 16-bit variants) is the ratio "
+        "of median step times (below 1 is faster); `paired` the median of the ratios within each "
+        "repetition, which a busy machine moves less.",
+        "",
+    ]
     for name, w in results["workloads"].items():
         extra = (("kernels",) if _has_kernels(w) else ()) + (
-            ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ())
+            ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
+        )
         base = "fp32-inductor" if baseline(w) == "fp32-inductor" else "autocast+inductor"
         head = ("variant",) + tuple(c.format(base=base) for c in COLUMNS) + extra
         lines += [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -577,14 +692,26 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--size", choices=list(SIZES), default=None,
-                   help="LM dimensions (default: cpu on CPU, gpt2-small on CUDA)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="fp32: what auto runs where 16 bit is emulated (amp on its FP32 path)")
-    p.add_argument("--workloads", default=None, help=f"comma-separated, from {','.join(WORKLOADS)} (default: all) "
-                   f"and {','.join(HF_WORKLOADS)} (transformers)")
-    p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (default: all), "
-                   f"and {','.join(EXTRA_VARIANTS)} (only when named)")
+    p.add_argument(
+        "--size", choices=list(SIZES), default=None, help="LM dimensions (default: cpu on CPU, gpt2-small on CUDA)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="fp32: what auto runs where 16 bit is emulated (amp on its FP32 path)",
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all) and {','.join(HF_WORKLOADS)} (transformers)",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated subset of {','.join(VARIANTS)} (default: all), "
+        f"and {','.join(EXTRA_VARIANTS)} (only when named)",
+    )
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
     p.add_argument("--steps", type=int, default=3, help="training steps per repetition")
     p.add_argument("--json", help="write every measurement to this file")
@@ -598,8 +725,11 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     size = SIZES[a.size or ("gpt2-small" if a.device == "cuda" else "cpu")]
-    workloads = a.workloads.split(",") if a.workloads else (
-        ["lm-sdpa", "lm-explicit"] if a.device == "cuda" else list(WORKLOADS))
+    workloads = (
+        a.workloads.split(",")
+        if a.workloads
+        else (["lm-sdpa", "lm-explicit"] if a.device == "cuda" else list(WORKLOADS))
+    )
     variants = a.variants.split(",") if a.variants else list(VARIANTS)
     for bad in set(workloads) - set(WORKLOADS + HF_WORKLOADS) | set(variants) - set(VARIANTS + EXTRA_VARIANTS):
         p.error(f"unknown workload or variant {bad!r}")

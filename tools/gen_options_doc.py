@@ -69,7 +69,7 @@ def render() -> str:
         if f.name not in docs:
             raise SystemExit(f"AmpOptions.{f.name} has no docstring entry ('    {f.name}: ...')")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        text = docs[f.name].replace('|', '&#124;').replace('``', '`')
+        text = docs[f.name].replace("|", "&#124;").replace("``", "`")
         rows.append(f"| `{f.name}` | `{default!r}` | {text} |")
     return HEAD + "\n".join(rows) + "\n" + TAIL
 

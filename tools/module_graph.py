@@ -16,13 +16,31 @@ import sys
 import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = {"amp_compiler": ROOT / "amp_compiler", "amp_compiler.passes": ROOT / "passes",
-           "amp_compiler.inductor_passes": ROOT / "inductor_passes"}
+SOURCES = {
+    "amp_compiler": ROOT / "amp_compiler",
+    "amp_compiler.passes": ROOT / "passes",
+    "amp_compiler.inductor_passes": ROOT / "inductor_passes",
+}
 
 # bottom first: each layer may use its own and those below it
 LAYERS = [
-    ("vocabulary", ["version", "policy", "meta", "hops", "fused_layers", "device", "atomic",
-                    "policy_file", "monitor", "scaler", "optim", "target"]),
+    (
+        "vocabulary",
+        [
+            "version",
+            "policy",
+            "meta",
+            "hops",
+            "fused_layers",
+            "device",
+            "atomic",
+            "policy_file",
+            "monitor",
+            "scaler",
+            "optim",
+            "target",
+        ],
+    ),
     ("plan and capture", ["options", "plan", "capture"]),
     ("passes", ["passes", "inductor_passes", "checks"]),
     ("backend", ["backend", "autocast_region", "coverage", "inductor", "config"]),
@@ -52,8 +70,7 @@ def imports(mods: dict[str, pathlib.Path]) -> tuple[nx.DiGraph, list[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = package[: len(package) - node.level + 1] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else [])) if node.level \
-                    else (node.module or "")
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
                     hit = sub if sub in mods else target if target in mods else None
@@ -81,8 +98,7 @@ def problems() -> list[str]:
     found = [f"cycle: {' -> '.join(c)}" for c in nx.simple_cycles(graph)]
     for a, b in graph.edges:
         if layer_of(a) < layer_of(b):
-            found.append(f"upward import: {a} ({LAYERS[layer_of(a)][0]}) imports {b} "
-                         f"({LAYERS[layer_of(b)][0]})")
+            found.append(f"upward import: {a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})")
     return found + [f"private import: {p}" for p in private]
 
 

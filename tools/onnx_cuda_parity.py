@@ -30,8 +30,14 @@ def models():
     try:
         import transformers
 
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                       num_key_value_heads=2, intermediate_size=128, vocab_size=64)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=64,
+        )
         yield "llama", transformers.LlamaForCausalLM(cfg), (), {"input_ids": ids, "use_cache": False}
     except ImportError:
         print("transformers not installed: skipping llama")
@@ -48,14 +54,15 @@ def main() -> int:
 
     os.makedirs(a.out, exist_ok=True)
     cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
-    print(f"onnxruntime {ort.__version__}, providers {ort.get_available_providers()}, "
-          f"torch CUDA {torch.cuda.is_available()}: {'CUDA provider' if cuda else 'CPU emulation'}")
+    print(
+        f"onnxruntime {ort.__version__}, providers {ort.get_available_providers()}, "
+        f"torch CUDA {torch.cuda.is_available()}: {'CUDA provider' if cuda else 'CPU emulation'}"
+    )
     failures = 0
     for name, model, args, kwargs in models():
         torch.manual_seed(0)
         try:
-            report = export_onnx(model, args, os.path.join(a.out, f"{name}.onnx"), kwargs=kwargs,
-                                 target="cuda")
+            report = export_onnx(model, args, os.path.join(a.out, f"{name}.onnx"), kwargs=kwargs, target="cuda")
             print(f"{name}: OK  {report.parity}")
         except Exception as e:  # report every model, then fail
             failures += 1

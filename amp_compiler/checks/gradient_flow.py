@@ -25,8 +25,9 @@ from amp_compiler.passes.verify import AmpVerifyError
 log = logging.getLogger(__name__)
 
 
-def gradient_flow(gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode: object
-                  ) -> tuple[frozenset[int], tuple[bool, ...]]:
+def gradient_flow(
+    gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode: object
+) -> tuple[frozenset[int], tuple[bool, ...]]:
     """(indices of inputs that receive a gradient, requires_grad of each tensor output)."""
     with fake_mode, torch.enable_grad():
         leaves, args = {}, []
@@ -44,20 +45,20 @@ def gradient_flow(gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode:
                 args.append(leaf)
             else:
                 args.append(x)
-        outs = [o for o in pytree.tree_leaves(torch.fx.Interpreter(gm).run(*args))
-                if isinstance(o, torch.Tensor)]
+        outs = [o for o in pytree.tree_leaves(torch.fx.Interpreter(gm).run(*args)) if isinstance(o, torch.Tensor)]
         differentiable = [o for o in outs if o.requires_grad]
         got = frozenset()
         if differentiable and leaves:
-            grads = torch.autograd.grad(differentiable, list(leaves.values()),
-                                        [torch.ones_like(o) for o in differentiable],
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                differentiable, list(leaves.values()), [torch.ones_like(o) for o in differentiable], allow_unused=True
+            )
             got = frozenset(i for i, g in zip(leaves, grads) if g is not None)
     return got, tuple(o.requires_grad for o in outs)
 
 
-def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.GraphModule,
-                        inputs: Sequence[object], fake_mode: object) -> None:
+def check_gradient_flow(
+    original: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, inputs: Sequence[object], fake_mode: object
+) -> None:
     """Raise AmpVerifyError when ``rewritten`` differentiates differently from ``original``."""
     if not torch.is_grad_enabled():
         return
@@ -74,8 +75,11 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
     except Exception as e:
         # A graph that cannot run eagerly on fakes outside a compiler leaves
         # nothing to compare: say so rather than refuse the program.
-        log.warning("gradient-flow check skipped: a graph did not run on fake inputs "
-                    "(%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "gradient-flow check skipped: a graph did not run on fake inputs (%s: %s)",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return
     for i in sorted(before[0] ^ after[0]):
         had = "receives" if i in before[0] else "receives no"
@@ -83,9 +87,11 @@ def check_gradient_flow(original: torch.fx.GraphModule, rewritten: torch.fx.Grap
         raise AmpVerifyError(
             f"node '{names[i]}' (graph input {i}) {had} gradient in the program as written but "
             f"{now} after the amp rewrite: the rewrite changed what is differentiated "
-            "(please report this; pin the region with fp32_modules meanwhile)")
+            "(please report this; pin the region with fp32_modules meanwhile)"
+        )
     if before[1] != after[1]:
         outs = [j for j, (a, b) in enumerate(zip(before[1], after[1])) if a != b]
         raise AmpVerifyError(
             f"graph output(s) {outs} changed requires_grad in the amp rewrite "
-            f"(as written {before[1]}, after {after[1]})")
+            f"(as written {before[1]}, after {after[1]})"
+        )

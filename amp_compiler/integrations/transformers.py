@@ -41,8 +41,7 @@ log = logging.getLogger("amp_compiler")
 class AmpCallback(TrainerCallback):
     """See the module docstring. ``options``: backend options (``fp32_modules``, ...)."""
 
-    def __init__(self, dtype: str | None = None, *, config=None, monitor: NonFiniteMonitor | None = None,
-                 **options):
+    def __init__(self, dtype: str | None = None, *, config=None, monitor: NonFiniteMonitor | None = None, **options):
         self.config = AmpConfig.load(config)
         self.requested = merge(dtype, self.config.dtype, "dtype", "auto")
         self.options = {**self.config.options, **options}
@@ -64,14 +63,17 @@ class AmpCallback(TrainerCallback):
     # -- Trainer events
 
     def on_init_end(self, args, state, control, **kwargs):
-        for flag, why in (("bf16", "adds the Trainer's torch.autocast on top of amp's casts"),
-                          ("fp16", "adds the Trainer's autocast and GradScaler on top of amp's casts "
-                                   "and loss scaling"),
-                          ("torch_compile", "compiles the model a second time with Inductor")):
+        for flag, why in (
+            ("bf16", "adds the Trainer's torch.autocast on top of amp's casts"),
+            ("fp16", "adds the Trainer's autocast and GradScaler on top of amp's casts and loss scaling"),
+            ("torch_compile", "compiles the model a second time with Inductor"),
+        ):
             if getattr(args, flag, False):
-                raise ValueError(f"AmpCallback: TrainingArguments({flag}=True) {why}; set {flag}=False "
-                                 f"and let AmpCallback choose the precision (dtype='auto', 'bf16' or "
-                                 f"'fp16')")
+                raise ValueError(
+                    f"AmpCallback: TrainingArguments({flag}=True) {why}; set {flag}=False "
+                    f"and let AmpCallback choose the precision (dtype='auto', 'bf16' or "
+                    f"'fp16')"
+                )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None or self.backend is not None:
@@ -79,8 +81,10 @@ class AmpCallback(TrainerCallback):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
         if low:
-            raise ValueError(f"AmpCallback: the model's parameters are {sorted(map(str, low))}; amp keeps "
-                             "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)")
+            raise ValueError(
+                f"AmpCallback: the model's parameters are {sorted(map(str, low))}; amp keeps "
+                "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)"
+            )
         self.dtype, self.reason = resolve_dtype(self.requested, device)
         self.backend = AmpBackend(self.options, dtype=self.dtype)
         self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
@@ -94,8 +98,7 @@ class AmpCallback(TrainerCallback):
             model.forward = forward
         log.info("AmpCallback: %s (%s)", self.dtype, self.reason)
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None,
-                              lr_scheduler=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if not self._compile_checked and self.backend is not None:
             self._compile_checked = True  # before the first update: nothing is lost
             why = self.backend.coverage.model_not_compiled()
@@ -112,8 +115,7 @@ class AmpCallback(TrainerCallback):
             for p in model.parameters():
                 p.grad = None
             _hold_once(lr_scheduler)
-        self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler,
-                             dtype=self.dtype)
+        self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler, dtype=self.dtype)
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         _release(lr_scheduler)  # a hold the Trainer did not use (a scheduler it steps on metrics)

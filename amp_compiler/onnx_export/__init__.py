@@ -18,5 +18,13 @@ from .export import ExportReport, export_onnx
 from .parity import check_parity
 from .structure import check_structure
 
-__all__ = ["EXPORT_DTYPES", "TARGETS", "ExportError", "ExportReport", "check_parity", "check_structure",
-           "emulate_low", "export_onnx"]
+__all__ = [
+    "EXPORT_DTYPES",
+    "TARGETS",
+    "ExportError",
+    "ExportReport",
+    "check_parity",
+    "check_structure",
+    "emulate_low",
+    "export_onnx",
+]

@@ -71,44 +71,31 @@ class OnnxReport:
     ep: str
     histogram: Counter = field(default_factory=Counter)  # (op, dtype) -> count
     casts: Counter = field(default_factory=Counter)  # "fp32->bf16" -> count
-    unsupported: list[tuple[str, str, str]] = field(
-        default_factory=list
-    )  # (node, op, dtype)
+    unsupported: list[tuple[str, str, str]] = field(default_factory=list)  # (node, op, dtype)
 
     def to_dict(self) -> dict:
         return {
             "path": self.path,
             "ep": self.ep,
             "ort_table_version": ORT_VERSION,
-            "histogram": [
-                {"op": op, "dtype": dt, "count": n}
-                for (op, dt), n in sorted(self.histogram.items())
-            ],
+            "histogram": [{"op": op, "dtype": dt, "count": n} for (op, dt), n in sorted(self.histogram.items())],
             "casts": dict(self.casts),
-            "unsupported": [
-                {"node": n, "op": op, "dtype": dt} for n, op, dt in self.unsupported
-            ],
+            "unsupported": [{"node": n, "op": op, "dtype": dt} for n, op, dt in self.unsupported],
         }
 
     def format(self) -> str:
         lines = [
-            f"{self.path}: {sum(self.histogram.values())} nodes; ORT {ORT_VERSION} "
-            f"{self.ep.upper()} provider table",
+            f"{self.path}: {sum(self.histogram.values())} nodes; ORT {ORT_VERSION} {self.ep.upper()} provider table",
             "",
             f"{'op':<28}{'dtype':<8}{'count':>6}",
         ]
-        lines += [
-            f"{op:<28}{dt:<8}{n:>6}" for (op, dt), n in sorted(self.histogram.items())
-        ]
+        lines += [f"{op:<28}{dt:<8}{n:>6}" for (op, dt), n in sorted(self.histogram.items())]
         lines += [
             "",
-            "casts: "
-            + (", ".join(f"{k} x{v}" for k, v in sorted(self.casts.items())) or "none"),
+            "casts: " + (", ".join(f"{k} x{v}" for k, v in sorted(self.casts.items())) or "none"),
         ]
         if self.unsupported:
-            lines.append(
-                f"{len(self.unsupported)} node(s) with no {self.ep.upper()} kernel for their dtype:"
-            )
+            lines.append(f"{len(self.unsupported)} node(s) with no {self.ep.upper()} kernel for their dtype:")
             lines += [f"  {n} ({op}, {dt})" for n, op, dt in self.unsupported]
         else:
             lines.append(f"every node has a {self.ep.upper()} kernel for its dtype")
@@ -128,10 +115,7 @@ def value_types(model, best_effort: bool = False) -> dict[str, int]:
         if not best_effort:
             raise
     g = model.graph
-    types = {
-        vi.name: vi.type.tensor_type.elem_type
-        for vi in list(g.input) + list(g.output) + list(g.value_info)
-    }
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output) + list(g.value_info)}
     types.update({i.name: i.data_type for i in g.initializer})
     for node in g.node:
         if node.op_type == "Constant":
@@ -150,11 +134,7 @@ def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
     g = model.graph
     report = OnnxReport(path, ep)
     for node in g.node:
-        dts = [
-            FLOAT_NAMES.get(types.get(x))
-            for x in list(node.input) + list(node.output)
-            if x
-        ]
+        dts = [FLOAT_NAMES.get(types.get(x)) for x in list(node.input) + list(node.output) if x]
         floats = [d for d in dts if d]
         dtype = "bf16" if "bf16" in floats else (floats[0] if floats else "-")
         if node.op_type == "Cast":
@@ -163,9 +143,7 @@ def inspect_onnx(path: str, ep: str = "cuda") -> OnnxReport:
             report.casts[f"{src}->{FLOAT_NAMES.get(to, str(to))}"] += 1
         report.histogram[(node.op_type, dtype)] += 1
         if not has_kernel(node.op_type, dtype, ep):
-            report.unsupported.append(
-                (node.name or node.output[0], node.op_type, dtype)
-            )
+            report.unsupported.append((node.name or node.output[0], node.op_type, dtype))
     return report
 
 
@@ -180,8 +158,7 @@ def export_fp32_pins(target: str) -> dict:
 
     aten = torch.ops.aten
     pins = {
-        op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export"
-        for op in (aten.split, aten.split_with_sizes)
+        op: "ONNX SplitToSequence takes no bfloat16: FP32 in the export" for op in (aten.split, aten.split_with_sizes)
     }
     pins[aten.einsum] = "ONNX Einsum takes no bfloat16: FP32 in the export"
     if target == "cuda":

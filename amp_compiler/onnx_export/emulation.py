@@ -40,16 +40,8 @@ def emulate_low(model, round_values: bool = True):
         for a in node.attribute:
             if node.op_type == "Cast" and a.name == "to" and a.i in low_types:
                 a.i = TensorProto.FLOAT
-            if (
-                node.op_type == "Constant"
-                and a.name == "value"
-                and a.t.data_type in low_types
-            ):
-                a.t.CopyFrom(
-                    numpy_helper.from_array(
-                        numpy_helper.to_array(a.t).astype(np.float32)
-                    )
-                )
+            if node.op_type == "Constant" and a.name == "value" and a.t.data_type in low_types:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32)))
         if not round_values or not low_outs:
             nodes.append(node)
             continue
@@ -59,9 +51,7 @@ def emulate_low(model, round_values: bool = True):
         for o in low_outs:
             to = types[o]
             nodes.append(helper.make_node("Cast", [renamed[o]], [f"{o}__low"], to=to))
-            nodes.append(
-                helper.make_node("Cast", [f"{o}__low"], [o], to=TensorProto.FLOAT)
-            )
+            nodes.append(helper.make_node("Cast", [f"{o}__low"], [o], to=TensorProto.FLOAT))
     del g.node[:]
     g.node.extend(nodes)
     del g.value_info[:]

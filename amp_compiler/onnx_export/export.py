@@ -130,9 +130,7 @@ def export_onnx(
             )
             if check:
                 report.structure = check_structure(tmp_path, dtype, target, plan)
-                report.parity = check_parity(
-                    tmp_path, ep, args, kwargs, reference, dtype, target, tolerance
-                )
+                report.parity = check_parity(tmp_path, ep, args, kwargs, reference, dtype, target, tolerance)
             report.data_path = _move_into_place(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -146,9 +144,7 @@ def _validate(dtype: str, target: str) -> None:
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is not valid; use one of {TARGETS}")
     if dtype not in EXPORT_DTYPES:
-        raise ValueError(
-            f"dtype={dtype!r} is not valid for export; use one of {EXPORT_DTYPES}"
-        )
+        raise ValueError(f"dtype={dtype!r} is not valid for export; use one of {EXPORT_DTYPES}")
     if dtype == "bf16" and target == "cpu":
         raise ValueError(
             "ONNX Runtime's CPU provider cannot run BF16 arithmetic (MatMul, Add, Softmax... have no "
@@ -186,16 +182,10 @@ def _library_translations(model: torch.nn.Module) -> dict:
         )
     except Exception:  # older transformers, or onnxscript missing: nothing to add
         return {}
-    return {
-        op: fn
-        for op, fn in table.items()
-        if getattr(op, "namespace", "aten") not in ("aten", "prims")
-    }
+    return {op: fn for op, fn in table.items() if getattr(op, "namespace", "aten") not in ("aten", "prims")}
 
 
-def _onnx_export(
-    ep, args, kwargs, path, opset, dynamic_shapes, translations=None
-) -> None:
+def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=None) -> None:
     try:
         # optimize=False: the exporter's BatchNorm folding can write FP32 weights into a BF16 Conv.
         # Its progress lines go to stdout; keep them out of ours.
@@ -219,9 +209,7 @@ def _onnx_export(
                 custom_translation_table=translations or None,
             )
     except Exception as e:
-        missing = re.search(
-            r"No ONNX function found for <OpOverload\(op='([\w.]+)'", str(e)
-        )
+        missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", str(e))
         if missing:  # the one cause a user can act on
             raise ExportError(
                 f"torch.onnx.export failed: ONNX has no translation for {missing.group(1)}, which "
@@ -229,9 +217,7 @@ def _onnx_export(
                 "inputs that make the model compute its loss)"
             ) from e
         first = ANSI.sub("", str(e).splitlines()[0])  # the exporter's colours
-        raise ExportError(
-            f"torch.onnx.export failed: {type(e).__name__}: {first}"
-        ) from e
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {first}") from e
 
 
 def _initializer_bytes(path: str) -> int:

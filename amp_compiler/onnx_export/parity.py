@@ -25,20 +25,12 @@ log = logging.getLogger("amp_compiler")
 
 def _flat_user_inputs(ep, args, kwargs) -> dict[str, torch.Tensor]:
     """ONNX input name -> tensor, in the exported program's input order."""
-    flat = [
-        t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-    ]
-    user = [
-        s.arg.name
-        for s in ep.graph_signature.input_specs
-        if s.kind == InputKind.USER_INPUT
-    ]
+    flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     return dict(zip(user, flat))
 
 
-def _ort_run(
-    model_or_path, feeds: dict, providers: list[str], disable_opt: bool
-) -> list:
+def _ort_run(model_or_path, feeds: dict, providers: list[str], disable_opt: bool) -> list:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -46,17 +38,11 @@ def _ort_run(
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if providers == ["CUDAExecutionProvider"]:
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    data = (
-        model_or_path
-        if isinstance(model_or_path, str)
-        else model_or_path.SerializeToString()
-    )
+    data = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
     try:
         sess = ort.InferenceSession(data, so, providers=providers)
         names = {i.name for i in sess.get_inputs()}
-        return sess.run(
-            None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in names}
-        )
+        return sess.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in names})
     except Exception as e:  # ORT's own exception types; none is an ExportError
         raise ExportError(_ort_failure(e, providers[0])) from e
 
@@ -82,9 +68,7 @@ def _ort_failure(e: Exception, provider: str) -> str:
 
 def _refuse_random(model) -> None:
     """A forward that samples at inference has no output to compare: say so before ORT runs."""
-    random = Counter(
-        n.op_type for n in model.graph.node if n.op_type in _RANDOM_ONNX_OPS
-    )
+    random = Counter(n.op_type for n in model.graph.node if n.op_type in _RANDOM_ONNX_OPS)
     if random:
         ops = ", ".join(f"{op} x{k}" for op, k in sorted(random.items()))
         raise ExportError(
@@ -106,26 +90,14 @@ def _inner_control(model, feeds: dict, limit: int = 64) -> str:
 
     types = value_types(model)
     low = (TensorProto.BFLOAT16, TensorProto.FLOAT16)
-    names = [
-        o
-        for n in model.graph.node
-        if n.op_type in LOW_ONNX_OPS
-        for o in n.output
-        if types.get(o) in low
-    ][:limit]
+    names = [o for n in model.graph.node if n.op_type in LOW_ONNX_OPS for o in n.output if types.get(o) in low][:limit]
     if not names:
         return "outputs insensitive to rounding and no 16-bit matmul/conv in the graph: nothing to control"
     runs = []
     for round_values in (True, False):
         m = emulate_low(model, round_values=round_values)
-        m.graph.output.extend(
-            helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in names
-        )
-        runs.append(
-            _ort_run(m, feeds, ["CPUExecutionProvider"], disable_opt=True)[
-                -len(names) :
-            ]
-        )
+        m.graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in names)
+        runs.append(_ort_run(m, feeds, ["CPUExecutionProvider"], disable_opt=True)[-len(names) :])
     diff = _max_err(runs[0], [torch.as_tensor(p) for p in runs[1]])[0]
     if diff == 0.0:
         raise ExportError(
@@ -143,9 +115,7 @@ def _max_err(got: list, want: list) -> tuple[float, float]:
     for g, w in zip(got, want):
         g, w = torch.as_tensor(g).double(), w.detach().double()
         if g.shape != w.shape:
-            raise ExportError(
-                f"output shape {tuple(g.shape)} differs from PyTorch's {tuple(w.shape)}"
-            )
+            raise ExportError(f"output shape {tuple(g.shape)} differs from PyTorch's {tuple(w.shape)}")
         err = (g - w).abs().max().item() if g.numel() else 0.0
         abs_err = max(abs_err, err)
         # relative to the output's own scale, however small (random-init MobileNetV2's logits
@@ -155,9 +125,7 @@ def _max_err(got: list, want: list) -> tuple[float, float]:
     return abs_err, rel_err
 
 
-def check_parity(
-    path, ep, args, kwargs, reference, dtype, target, tolerance=None
-) -> dict:
+def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=None) -> dict:
     """Run the export and compare with PyTorch in FP32 and with the amp plan in PyTorch.
 
     On a CUDA machine with onnxruntime-gpu: the real graph on the CUDA provider,
@@ -170,30 +138,15 @@ def check_parity(
     feeds = _flat_user_inputs(ep, args, kwargs)
     want = [t for t in pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
     with torch.no_grad():
-        amp_out = [
-            t.float()
-            for t in pytree.tree_leaves(ep.module()(*args, **kwargs))
-            if isinstance(t, torch.Tensor)
-        ]
-    tol = (
-        tolerance
-        if tolerance is not None
-        else {"bf16": 0.05, "fp16": 0.01, "fp32": 1e-4}[dtype]
-    )
-    cuda = (
-        "CUDAExecutionProvider" in ort.get_available_providers()
-        and torch.cuda.is_available()
-    )
+        amp_out = [t.float() for t in pytree.tree_leaves(ep.module()(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    tol = tolerance if tolerance is not None else {"bf16": 0.05, "fp16": 0.01, "fp32": 1e-4}[dtype]
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     result: dict[str, Any] = {}
     emulate = dtype == "bf16" and not (cuda and target == "cuda")
-    model = onnx.load(
-        path, load_external_data=emulate
-    )  # the weights only where ORT runs a copy
+    model = onnx.load(path, load_external_data=emulate)  # the weights only where ORT runs a copy
     _refuse_random(model)
     if emulate:
-        got = _ort_run(
-            emulate_low(model), feeds, ["CPUExecutionProvider"], disable_opt=True
-        )
+        got = _ort_run(emulate_low(model), feeds, ["CPUExecutionProvider"], disable_opt=True)
         plain = _ort_run(
             emulate_low(model, round_values=False),
             feeds,
@@ -208,19 +161,11 @@ def check_parity(
             # the control is measured on the 16-bit matmul/conv outputs inside.
             result["negative_control"] = _inner_control(model, feeds)
     else:
-        providers = (
-            ["CUDAExecutionProvider"]
-            if cuda and target == "cuda"
-            else ["CPUExecutionProvider"]
-        )
+        providers = ["CUDAExecutionProvider"] if cuda and target == "cuda" else ["CPUExecutionProvider"]
         got = _ort_run(path, feeds, providers, disable_opt=False)
-        result["method"] = f"ORT {providers[0]}" + (
-            ", CPU fallback disabled" if cuda else ""
-        )
+        result["method"] = f"ORT {providers[0]}" + (", CPU fallback disabled" if cuda else "")
     result["vs_fp32_max_abs"], result["vs_fp32_max_rel"] = _max_err(got, want)
-    result["vs_amp_torch_max_abs"], result["vs_amp_torch_max_rel"] = _max_err(
-        got, amp_out
-    )
+    result["vs_amp_torch_max_abs"], result["vs_amp_torch_max_rel"] = _max_err(got, amp_out)
     result["tolerance_rel"] = tol
     if result["vs_fp32_max_rel"] > tol:
         raise ExportError(

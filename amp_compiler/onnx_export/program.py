@@ -24,9 +24,7 @@ from .coverage import export_fp32_pins
 log = logging.getLogger("amp_compiler")
 
 
-def planned_program(
-    model, args, kwargs, dtype, target, dynamic_shapes, options, low_io
-):
+def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io):
     """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit."""
     try:
         # torch.distributions' argument checks are Python branches on values; torch.compile
@@ -34,16 +32,11 @@ def planned_program(
         validate = torch.distributions.Distribution._validate_args
         torch.distributions.Distribution.set_default_validate_args(False)
         try:
-            ep = torch.export.export(
-                model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
-            )
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         finally:
             torch.distributions.Distribution.set_default_validate_args(validate)
     except Exception as e:
-        raise ExportError(
-            f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}"
-            f"{_export_hint(e)}"
-        ) from e
+        raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}{_export_hint(e)}") from e
     if dtype != "fp32":
         # The exporter lowers SDPA to MatMul/Softmax/MatMul; write it out first (as the
         # backend's pass does, in the fused op's memory layout, which views after it may
@@ -51,9 +44,7 @@ def planned_program(
         # canonicalises ops (split -> split_with_sizes) for the exporter.
         write_out_all(ep.graph_module)
         ep = ep.run_decompositions({})
-    fp32_bytes = sum(
-        t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point()
-    )
+    fp32_bytes = sum(t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point())
     gm = ep.graph_module
     if dtype == "fp32":
         for node in gm.graph.nodes:
@@ -67,9 +58,7 @@ def planned_program(
     policy = opts.policy(LOW_DTYPES[dtype])
     if dtype == "bf16":
         policy = policy.with_fp32(export_fp32_pins(target))
-    fake_mode = torch._guards.detect_fake_mode(
-        [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    )
+    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
     ctx = PassContext(policy=policy, options=opts, fake_mode=fake_mode)
     try:
         run_pipeline(gm, ctx, PIPELINE)
@@ -89,11 +78,7 @@ def _export_hint(error: Exception) -> str:
     if "data-dependent" in message:
         # the model's own line: the last frame outside torch and this package
         skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-        user = [
-            f
-            for f in traceback.extract_tb(error.__traceback__)
-            if not f.filename.startswith(skip)
-        ]
+        user = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
         at = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
         return (
             f" (the model branches on a tensor's value{at}, e.g. `if mask.any():` or "
@@ -109,9 +94,7 @@ def _lifted_tensors(ep) -> dict[str, torch.Tensor]:
     for spec in ep.graph_signature.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             out[spec.arg.name] = (
-                ep.state_dict[spec.target]
-                if spec.target in ep.state_dict
-                else ep.constants[spec.target]
+                ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
             )
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             out[spec.arg.name] = ep.constants[spec.target]
@@ -133,29 +116,17 @@ def _store_low_weights(ep, low: torch.dtype, fake_mode) -> None:
     }
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in specs]:
         val = node.meta.get("val")
-        if (
-            not isinstance(val, torch.Tensor)
-            or val.dtype != torch.float32
-            or not node.users
-        ):
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not node.users:
             continue
-        casts = [
-            u for u in node.users if is_inserted_cast(u) and u.kwargs["dtype"] == low
-        ]
-        lookups = [
-            u
-            for u in node.users
-            if u.target is torch.ops.aten.embedding.default and u.args[0] is node
-        ]
+        casts = [u for u in node.users if is_inserted_cast(u) and u.kwargs["dtype"] == low]
+        lookups = [u for u in node.users if u.target is torch.ops.aten.embedding.default and u.args[0] is node]
         if len(casts) + len(lookups) != len(node.users) or not casts and not lookups:
             continue
         spec = specs[node.name]
         store = ep.state_dict if spec.target in ep.state_dict else ep.constants
         store[spec.target] = store[spec.target].detach().to(low)
         if spec.kind == InputKind.PARAMETER:
-            store[spec.target] = torch.nn.Parameter(
-                store[spec.target], requires_grad=False
-            )
+            store[spec.target] = torch.nn.Parameter(store[spec.target], requires_grad=False)
         with fake_mode:
             node.meta["val"] = torch.empty_like(val, dtype=low)
         for cast in casts:
@@ -163,12 +134,8 @@ def _store_low_weights(ep, low: torch.dtype, fake_mode) -> None:
             graph.erase_node(cast)
         for lookup in lookups:
             with graph.inserting_after(lookup):
-                up = graph.call_function(
-                    torch.ops.aten._to_copy.default, (lookup,), {"dtype": torch.float32}
-                )
-            lookup.replace_all_uses_with(
-                up, delete_user_cb=lambda n, up=up: n is not up
-            )
+                up = graph.call_function(torch.ops.aten._to_copy.default, (lookup,), {"dtype": torch.float32})
+            lookup.replace_all_uses_with(up, delete_user_cb=lambda n, up=up: n is not up)
             up.meta[META_KEY] = NodeInfo(
                 Precision.FP32,
                 "embedding rows from a 16-bit table, back to fp32",

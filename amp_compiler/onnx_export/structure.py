@@ -48,9 +48,7 @@ def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict
     try:
         onnx.checker.check_model(path, full_check=True)
     except Exception as e:
-        raise ExportError(
-            f"onnx.checker rejected the export: {str(e).splitlines()[0]}"
-        ) from e
+        raise ExportError(f"onnx.checker rejected the export: {str(e).splitlines()[0]}") from e
     model = onnx.load(path, load_external_data=False)
     types = value_types(model)
     low = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}.get(dtype)
@@ -63,14 +61,9 @@ def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict
                 low_mm += 1
             else:
                 fp32_mm += 1
-        if (
-            low is not None
-            and node.op_type in FP32_ONNX_OPS
-            and any(t == low for t in ins)
-        ):
+        if low is not None and node.op_type in FP32_ONNX_OPS and any(t == low for t in ins):
             problems.append(
-                f"{node.name or node.output[0]} ({node.op_type}) takes {dtype} inputs; "
-                "the plan keeps it FP32"
+                f"{node.name or node.output[0]} ({node.op_type}) takes {dtype} inputs; the plan keeps it FP32"
             )
         if not has_kernel(node.op_type, node_dtype, target):
             problems.append(
@@ -79,9 +72,7 @@ def check_structure(path: str, dtype: str, target: str, plan: GraphPlan) -> dict
             )
     planned_low = plan.summary()["nodes"]["LOW"]
     if low is not None and planned_low and not low_mm:
-        problems.append(
-            f"the plan has {planned_low} LOW ops but no MatMul/Gemm/Conv takes {dtype} inputs"
-        )
+        problems.append(f"the plan has {planned_low} LOW ops but no MatMul/Gemm/Conv takes {dtype} inputs")
     if problems:
         raise ExportError("export does not follow the plan: " + "; ".join(problems[:5]))
     return {

@@ -23,18 +23,26 @@ def models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
     scaling = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     scaling.load_state_dict(control.state_dict())
     kwargs = {"lr": 1.0, **(optimizer_kwargs or {})}
-    return (control, scaling, optimizer_ctor(control.parameters(), **kwargs),
-            optimizer_ctor(scaling.parameters(), **kwargs))
+    return (
+        control,
+        scaling,
+        optimizer_ctor(control.parameters(), **kwargs),
+        optimizer_ctor(scaling.parameters(), **kwargs),
+    )
 
 
 def _create_scaling_case(device="cpu", optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
     data = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(4)]
     return models_optimizers(optimizer_ctor, optimizer_kwargs) + (data, torch.nn.MSELoss(), 2)
 
+
 SCALERS = {"LossScaler": LossScaler, "GradScaler": torch.amp.GradScaler}
 OPTIMIZERS = [
-    (torch.optim.SGD, {}), (torch.optim.SGD, {"foreach": True}), (torch.optim.Adam, {}),
-    (torch.optim.Adam, {"fused": True}), (torch.optim.AdamW, {"foreach": True}),
+    (torch.optim.SGD, {}),
+    (torch.optim.SGD, {"foreach": True}),
+    (torch.optim.Adam, {}),
+    (torch.optim.Adam, {"fused": True}),
+    (torch.optim.AdamW, {"foreach": True}),
     (torch.optim.AdamW, {"fused": True}),
 ]
 
@@ -42,11 +50,10 @@ OPTIMIZERS = [
 def run_case(scaler_cls, run, unskipped, skipped, optimizer=(torch.optim.SGD, {}), atol=1e-6):
     for enabled in (True, False):
         torch.manual_seed(0)
-        (mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn,
-         skip_iter) = _create_scaling_case(device="cpu", optimizer_ctor=optimizer[0],
-                                           optimizer_kwargs=optimizer[1])
-        scaler = scaler_cls("cpu", init_scale=128.0, growth_factor=2.0, enabled=enabled,
-                            growth_interval=1)
+        (mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, skip_iter) = _create_scaling_case(
+            device="cpu", optimizer_ctor=optimizer[0], optimizer_kwargs=optimizer[1]
+        )
+        scaler = scaler_cls("cpu", init_scale=128.0, growth_factor=2.0, enabled=enabled, growth_interval=1)
         run(data, mod_control, opt_control, scaler, loss_fn, skip_iter, False)
         run(data, mod_scaling, opt_scaling, scaler, loss_fn, skip_iter, True)
         if enabled:
@@ -56,8 +63,7 @@ def run_case(scaler_cls, run, unskipped, skipped, optimizer=(torch.optim.SGD, {}
         for c, s in zip(mod_control.parameters(), mod_scaling.parameters()):
             torch.testing.assert_close(c.grad, s.grad, atol=atol, rtol=1e-5)
             for k in opt_control.state[c]:
-                torch.testing.assert_close(opt_control.state[c][k], opt_scaling.state[s][k],
-                                           atol=atol, rtol=1e-5)
+                torch.testing.assert_close(opt_control.state[c][k], opt_scaling.state[s][k], atol=atol, rtol=1e-5)
             torch.testing.assert_close(c, s, atol=atol, rtol=1e-5)
 
 
@@ -75,8 +81,7 @@ def training_loop(clip_norm=None, penalty=False):
             loss = loss_fn(model(x), target)
             if penalty:
                 if try_scaling_api:
-                    grads = torch.autograd.grad(scaler.scale(loss), model.parameters(),
-                                                create_graph=True)
+                    grads = torch.autograd.grad(scaler.scale(loss), model.parameters(), create_graph=True)
                     grads = [g * (1.0 / scaler.get_scale()) for g in grads]
                 else:
                     grads = torch.autograd.grad(loss, model.parameters(), create_graph=True)
@@ -147,8 +152,12 @@ def test_scaling_state_dict_and_pickle(scaler_cls):
         if not lazy_init:
             s0.scale(torch.full((1,), 4.0))
         s1.load_state_dict(s0.state_dict())
-        assert (s1.get_scale(), s1.get_growth_factor(), s1.get_backoff_factor(),
-                s1.get_growth_interval()) == (3.0, 4.0, 0.5, 2)
+        assert (s1.get_scale(), s1.get_growth_factor(), s1.get_backoff_factor(), s1.get_growth_interval()) == (
+            3.0,
+            4.0,
+            0.5,
+            2,
+        )
         s2 = pickle.loads(pickle.dumps(s0))
         assert s2.state_dict() == s0.state_dict()
     disabled = scaler_cls("cpu", enabled=False)
@@ -205,14 +214,18 @@ def test_scaling_multiple_models_losses_optimizers(scaler_cls):
         run(data, (s0, s1), (os0, os1), scaler, loss_fn, skip_iter, True)
         if enabled:
             assert scaler.get_scale() == 128.0 * 2.0**3 * 0.5**1
-        for c, s in zip(list(c0.parameters()) + list(c1.parameters()),
-                        list(s0.parameters()) + list(s1.parameters())):
+        for c, s in zip(list(c0.parameters()) + list(c1.parameters()), list(s0.parameters()) + list(s1.parameters())):
             torch.testing.assert_close(c, s, atol=1e-6, rtol=1e-5)
 
 
 def test_loss_scaler_signature_takes_gradscaler_keywords():
-    make = partial(LossScaler, "cpu", init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25,
-                   growth_interval=5, enabled=True)
+    make = partial(
+        LossScaler, "cpu", init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25, growth_interval=5, enabled=True
+    )
     s = make()
-    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) \
-        == (2.0**10, 3.0, 0.25, 5)
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (
+        2.0**10,
+        3.0,
+        0.25,
+        5,
+    )
