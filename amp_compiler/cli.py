@@ -263,31 +263,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="amp-compiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_inspect, _add_doctor, _add_calibrate, _add_export, _add_demo):
+        add(sub)
+    return parser
 
-    def target_args(p):
-        p.add_argument(
-            "target",
-            help="pkg.module:factory or path/to/file.py:factory; the factory "
-            "returns a model or (model, example_inputs)",
-        )
-        p.add_argument(
-            "--input",
-            action="append",
-            metavar="SHAPE[:DTYPE]",
-            help="example input, e.g. 2x128:int64 or 4x3x32x32 (repeatable)",
-        )
-        p.add_argument(
-            "--fp32-module", action="append", metavar="REGEX", help="pin modules matching REGEX to FP32 (repeatable)"
-        )
-        p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
-        p.add_argument("--policy-file", metavar="FILE", help="apply a calibrated policy file")
 
+def _target_args(p) -> None:
+    """What every command that loads a model takes."""
+    p.add_argument(
+        "target",
+        help="pkg.module:factory or path/to/file.py:factory; the factory returns a model or (model, example_inputs)",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        metavar="SHAPE[:DTYPE]",
+        help="example input, e.g. 2x128:int64 or 4x3x32x32 (repeatable)",
+    )
+    p.add_argument(
+        "--fp32-module", action="append", metavar="REGEX", help="pin modules matching REGEX to FP32 (repeatable)"
+    )
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--policy-file", metavar="FILE", help="apply a calibrated policy file")
+
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser(
         "inspect",
         help="show the precision plan: per node precision, reason, casts",
         description="Show the precision plan of a model (or an ONNX file's dtypes).",
     )
-    target_args(p)
+    _target_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
     p.add_argument(
@@ -302,37 +308,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_doctor(sub) -> None:
     p = sub.add_parser(
         "doctor",
         help="run FP32 and amp side by side; find and pin what overflows",
         description="Compare FP32 and amp node by node in BF16 and FP16; report the "
         "largest errors, the first Inf/NaN or out-of-FP16-range output, and propose pins.",
     )
-    target_args(p)
+    _target_args(p)
     p.add_argument("--dtype", action="append", choices=["bf16", "fp16"], help="dtypes to run (default both)")
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("--top", type=int, default=5, help="how many worst nodes to list")
     p.set_defaults(func=cmd_doctor)
 
+
+def _add_calibrate(sub) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure the model and write the FP32 pins it needs",
         description="Run FP32 and amp on N batches, pin (modules first) until every "
         "output is within the budget, and write the policy file.",
     )
-    target_args(p)
+    _target_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--budget", type=float, default=1e-2, help="largest relative output error")
     p.add_argument("--batches", type=int, default=4, help="batches drawn from the factory")
     p.set_defaults(func=cmd_calibrate)
 
+
+def _add_export(sub) -> None:
     p = sub.add_parser(
         "export",
         help="export a BF16 inference graph to ONNX for ONNX Runtime",
         description="Export the model through the amp plan to ONNX; checks structure, "
         "onnx.checker and numbers before the file appears.",
     )
-    target_args(p)
+    _target_args(p)
     p.set_defaults(output=None)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument(
@@ -350,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true", help="skip the structure and parity checks")
     p.set_defaults(func=cmd_export)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="train a small built-in model in FP32 and with amp, side by side",
@@ -365,7 +379,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inner", choices=["inductor", "aot_eager", "eager"], default="inductor")
     p.set_defaults(func=cmd_demo)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+import helpers
 import torch
 from helpers import OpRecorder, cosine, recording_backend
 
@@ -21,15 +22,7 @@ from amp_compiler import AmpBackend
 from amp_compiler.policy import LOW_DTYPES
 
 aten = torch.ops.aten
-LOW_EXEC = (
-    aten.mm,
-    aten.bmm,
-    aten.addmm,
-    aten.baddbmm,
-    aten.convolution,
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._grouped_mm,
-)
+LOW_EXEC = (*helpers.LOW_EXEC, aten._grouped_mm)  # MoE experts too
 
 
 def _loss(out) -> torch.Tensor:

@@ -5,11 +5,15 @@ A plain module (``from helpers import ...``); fixtures and pytest hooks live in 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from amp_compiler import AmpBackend
 
 
 class OpRecorder(TorchDispatchMode):
@@ -171,3 +175,123 @@ def cli_here(capsys, *args) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+aten = torch.ops.aten
+
+
+LOW_EXEC = (
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+)
+
+
+FP32_EXEC = (
+    aten._softmax,
+    aten._log_softmax,
+    aten.native_layer_norm,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
+    aten.nll_loss_forward,
+    aten.mean,
+    aten.exp,
+    aten.pow,
+    aten.rsqrt,
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    aten.native_layer_norm_backward,
+)
+
+
+def train_step(model, inputs, backend, dynamic=None):
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    loss = compiled(*inputs)
+    loss.backward()
+    return loss
+
+
+def assert_executed_dtypes(rec: OpRecorder, low=torch.bfloat16):
+    low_calls = rec.dtypes_of(*LOW_EXEC)
+    assert low_calls, "no matmul/conv/attention executed"
+    for dtypes in low_calls:
+        assert dtypes[:2] == [low, low], dtypes
+    fp32_calls = rec.dtypes_of(*FP32_EXEC)
+    assert fp32_calls
+    for dtypes in fp32_calls:
+        assert all(d == torch.float32 for d in dtypes), dtypes
+
+
+def check_against_fp32(model, inputs, low="bf16", loss_tol=0.02, cos_min=0.99):
+    """One training step: amp vs FP32 eager. Returns the recorder and backend."""
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    rec = OpRecorder()
+    graphs = []
+    backend = AmpBackend(dtype=low, inner=recording_backend(rec, graphs))
+    loss = train_step(model, inputs, backend)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref_loss.item()) <= loss_tol * abs(ref_loss.item())
+    g = grads(model)
+    assert g.dtype == torch.float32 and torch.isfinite(g).all()
+    assert cosine(g, grads(ref)) >= cos_min
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    assert graphs and any(n.meta["amp"].inserted for gm in graphs for n in gm.graph.nodes if "amp" in n.meta)
+    return rec, backend, ref
+
+
+# -- training: a small regression and gradient poisoning
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def data(seed=0, n=64, noise=0.1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :1] * 2 - x[:, 1:2]).tanh() + noise * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def inject(model, bad_steps, kind="inf"):
+    """A gradient hook that poisons the first weight's gradient on chosen calls."""
+    calls = {"n": 0}
+    w = next(model.parameters())
+
+    def hook(grad):
+        calls["n"] += 1
+        if calls["n"] in bad_steps:
+            grad = grad.clone()
+            grad[0, 0] = float(kind)
+        return grad
+
+    w.register_hook(hook)
+
+
+# -- a small LM with a loss as Hugging Face models write it
+
+
+class ShiftLM(nn.Module):
+    """Embedding -> Linear+GELU -> LM head; ``shift`` adds a keyword input to the hidden state."""
+
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, shift=None):
+        h = self.body(self.emb(ids))
+        return self.head(h if shift is None else h + shift)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

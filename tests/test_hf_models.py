@@ -10,21 +10,14 @@ import copy
 
 import pytest
 import torch
-from helpers import OpRecorder, cosine, grads, recording_backend
+from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend
 
 from amp_compiler import AmpBackend
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
 
-LOW_FWD = (
-    aten.mm,
-    aten.bmm,
-    aten.addmm,
-    aten.baddbmm,
-    aten.convolution,
-    aten._scaled_dot_product_flash_attention_for_cpu,
-)
+LOW_FWD = LOW_EXEC
 FP32_FWD = (
     aten._softmax,
     aten._log_softmax,
