@@ -26,7 +26,7 @@ WITH_CODE = [p for p in PAGES if grab_code_blocks(p.read_text(), lang="python")]
 # pages whose blocks compile or train through amp: a 16-bit matmul must have executed there
 RUNS_16_BIT = {"README.md", "calibration.md", "config.md", "integrations.md", "training.md"}
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-NEEDS = {"integrations.md": "transformers", "onnx.md": "onnxruntime"}
+NEEDS = {"integrations.md": ("transformers", "trl"), "onnx.md": ("onnxruntime",)}
 
 
 @pytest.fixture
@@ -44,8 +44,8 @@ def executed(monkeypatch):
 @pytest.mark.parametrize("page", WITH_CODE, ids=lambda p: p.name)
 def test_page_python_blocks_run(page, tmp_path, monkeypatch, executed):
     """Each Python block of the page runs; pages that compile through amp ran 16-bit matmuls."""
-    if page.name in NEEDS:
-        pytest.importorskip(NEEDS[page.name])
+    for package in NEEDS.get(page.name, ()):
+        pytest.importorskip(package)
     monkeypatch.chdir(tmp_path)
     page_module = types.ModuleType("amp_docs_page")  # Dynamo looks up the module of code it traces
     monkeypatch.setitem(sys.modules, page_module.__name__, page_module)

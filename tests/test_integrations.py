@@ -117,11 +117,51 @@ def test_trainer_refuses_a_model_dynamo_does_not_compile(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("flag", ["bf16", "torch_compile"])
-def test_trainer_flags_that_stack_a_second_precision_system_are_refused(tmp_path, flag):
-    with pytest.raises(ValueError, match=f"TrainingArguments\\({flag}=True\\)"):
+def test_trainer_torch_compile_flag_is_refused(tmp_path):
+    """torch_compile=True would compile the model a second time, with Inductor alone."""
+    with pytest.raises(ValueError, match=r"TrainingArguments\(torch_compile=True\)"):
         transformers.Trainer(
-            model=gpt2(), args=args(tmp_path, **{flag: True}), train_dataset=Ids(), callbacks=[AmpCallback()]
+            model=gpt2(), args=args(tmp_path, torch_compile=True), train_dataset=Ids(), callbacks=[AmpCallback()]
+        )
+
+
+def _autocast_seen(model) -> list[bool]:
+    """Whether torch.autocast was on at each call of ``model`` (a forward pre-hook)."""
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    return seen
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_trainer_precision_flag_is_the_dtype_request_and_its_autocast_stands_aside(tmp_path, flag):
+    """bf16=True / fp16=True ask for that dtype; Accelerate's autocast and GradScaler are off, so
+    amp's plan alone runs: matmuls 16 bit, softmax and norms FP32, no autocast around the call."""
+    rec = OpRecorder()
+    cb = AmpCallback(inner=recording_backend(rec))
+    model = gpt2()
+    autocast = _autocast_seen(model)
+    trainer = transformers.Trainer(
+        model=model, args=args(tmp_path, **{flag: True}), train_dataset=Ids(), callbacks=[cb]
+    )
+    assert trainer.accelerator.native_amp is False and trainer.accelerator.scaler is None
+    trainer.train()
+    low = torch.bfloat16 if flag == "bf16" else torch.float16
+    assert cb.dtype == flag and f"TrainingArguments({flag}=True)" in cb.reason
+    matmuls = rec.dtypes_of(aten.mm, aten.addmm, aten.bmm)
+    assert matmuls and all(d[0] == low for d in matmuls)
+    fp32 = rec.dtypes_of(aten._softmax, aten.native_layer_norm)
+    assert fp32 and all(d[0] == torch.float32 for d in fp32)
+    assert autocast and not any(autocast)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert (cb.scaler is not None) == (flag == "fp16")  # amp's own scaling, not the Trainer's
+    assert "forwards under the plan: model" in trainer.state.log_history[0]["amp_plan"]
+
+
+def test_trainer_explicit_dtype_that_disagrees_with_the_flag_is_refused(tmp_path):
+    """AmpCallback(dtype=...) and the Trainer's flag must agree: one clear error, before training."""
+    with pytest.raises(ValueError, match=r"AmpCallback\(dtype='fp16'\) disagrees with TrainingArguments\(bf16=True\)"):
+        transformers.Trainer(
+            model=gpt2(), args=args(tmp_path, bf16=True), train_dataset=Ids(), callbacks=[AmpCallback("fp16")]
         )
 
 

@@ -16,14 +16,20 @@ optimizer see true gradients), and before the optimizer step (after clipping) on
 finite check decides: Inf/NaN drops this step's gradients (the optimizer leaves those
 parameters and their state untouched), backs the scale off and holds the Trainer's LR
 scheduler for that step, as the Trainer's own fp16 does. Under BF16 nothing is scaled.
-The Trainer's own ``bf16=True`` / ``fp16=True`` (its autocast on top of our casts) and
-``torch_compile=True`` (a second compile) are refused when the Trainer is built, naming
-the flag.
+The Trainer's own ``bf16=True`` / ``fp16=True`` (every TRL config's default) are read as
+the dtype request: Accelerate's autocast and GradScaler are switched off when the Trainer
+is built, so amp's plan (and, for FP16, amp's loss scaling) alone runs; an explicit
+``AmpCallback(dtype=...)`` that disagrees with the flag is an error. A second model whose
+forward feeds the loss (TRL's ``ref_model``, a distillation teacher) runs under the same
+plan as the policy, so identical weights give identical log-probabilities; reference
+log-probs precomputed in ``__init__`` (``precompute_ref_log_probs=True``) are computed again
+under the plan. ``torch_compile=True`` (a second compile) is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from transformers import TrainerCallback
@@ -32,8 +38,10 @@ from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
+from ..options import AmpOptions
 from ..plan import PrecisionPlan
 from ..scaler import LossScaler, nonfinite
+from .trainer_hooks import find_trainer, second_models, take_over_mixed_precision, without_autocast_wrapper
 
 log = logging.getLogger("amp_compiler")
 
@@ -43,7 +51,13 @@ class AmpCallback(TrainerCallback):
 
     def __init__(self, dtype: str | None = None, *, config=None, monitor: NonFiniteMonitor | None = None, **options):
         self.config = AmpConfig.load(config)
-        self.requested = merge(dtype, self.config.dtype, "dtype", "auto")
+        self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
+        self.requested = self.explicit or "auto"
+        self.flag: str | None = None  # the Trainer's bf16/fp16 flag, read as the request
+        self.trainer = None
+        self.forwards: list[str] = []  # the forwards compiled under the plan
+        self._planned = weakref.WeakSet()
+        self.scaler_device = torch.device("cpu")
         self.options = {**self.config.options, **options}
         self.monitor = monitor or NonFiniteMonitor()
         self.backend: AmpBackend | None = None
@@ -63,21 +77,60 @@ class AmpCallback(TrainerCallback):
     # -- Trainer events
 
     def on_init_end(self, args, state, control, **kwargs):
-        for flag, why in (
-            ("bf16", "adds the Trainer's torch.autocast on top of amp's casts"),
-            ("fp16", "adds the Trainer's autocast and GradScaler on top of amp's casts and loss scaling"),
-            ("torch_compile", "compiles the model a second time with Inductor"),
-        ):
-            if getattr(args, flag, False):
-                raise ValueError(
-                    f"AmpCallback: TrainingArguments({flag}=True) {why}; set {flag}=False "
-                    f"and let AmpCallback choose the precision (dtype='auto', 'bf16' or "
-                    f"'fp16')"
-                )
+        if getattr(args, "torch_compile", False):
+            raise ValueError(
+                "AmpCallback: TrainingArguments(torch_compile=True) compiles the model a second time with "
+                "Inductor; set torch_compile=False: AmpCallback compiles it with the amp backend"
+            )
+        self.trainer = find_trainer(self)
+        flag = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+        if flag is None:
+            return
+        if self.explicit not in (None, "auto") and AmpOptions(dtype=self.explicit).dtype != flag:
+            raise ValueError(
+                f"AmpCallback(dtype={self.explicit!r}) disagrees with TrainingArguments({flag}=True): the flag "
+                f"asks for {flag}; set the precision in one place"
+            )
+        if self.trainer is None:
+            raise ValueError(
+                f"AmpCallback: TrainingArguments({flag}=True) turns on Accelerate's autocast, which AmpCallback "
+                f"takes over only inside a transformers.Trainer; set {flag}=False and pass "
+                f"AmpCallback(dtype={flag!r})"
+            )
+        take_over_mixed_precision(self.trainer)
+        self.requested, self.flag = flag, flag
+        if getattr(args, "precompute_ref_log_probs", False):
+            self._plan_precomputed_reference(self.trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is None or self.backend is not None:
+        if model is None:
             return
+        self._plan_forward(model)
+        for name, other in second_models(self.trainer).items() if self.trainer is not None else ():
+            self._plan_forward(other, name)
+        log.info("AmpCallback: %s (%s); forwards under the plan: %s", self.dtype, self.reason, ", ".join(self.forwards))
+
+    def _plan_forward(self, module: torch.nn.Module, name: str = "model") -> None:
+        """Compile ``module``'s forward with the backend (once). The trained model's comes first:
+        it resolves the dtype and, under FP16, gets the loss scaling hooks."""
+        if module in self._planned:
+            return
+        if self.backend is None:
+            self._resolve(module)
+        without_autocast_wrapper(module)
+        forward = torch.compile(module.forward, backend=self.backend)
+        if name == "model" and self.dtype == "fp16":
+            device = self.scaler_device
+            self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
+            self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
+            self._install_scaling(module)
+            forward = self._scaled(forward)
+        module.forward = forward
+        self._planned.add(module)
+        self.forwards.append(name)
+
+    def _resolve(self, model: torch.nn.Module) -> None:
+        """The dtype for ``model``'s device, and the backend that plans every forward."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
         if low:
@@ -86,17 +139,35 @@ class AmpCallback(TrainerCallback):
                 "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)"
             )
         self.dtype, self.reason = resolve_dtype(self.requested, device)
+        if self.flag is not None:
+            self.reason = f"TrainingArguments({self.flag}=True); {self.reason}"
         self.backend = AmpBackend(self.options, dtype=self.dtype)
         self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
-        forward = torch.compile(model.forward, backend=self.backend)
-        if self.dtype == "fp16":
-            self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
-            self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
-            self._install_scaling(model)
-            model.forward = self._scaled(forward)
-        else:
-            model.forward = forward
-        log.info("AmpCallback: %s (%s)", self.dtype, self.reason)
+        self.scaler_device = device
+
+    def _plan_precomputed_reference(self, trainer) -> None:
+        """TRL computes reference log-probs once, in ``__init__`` after this event: the
+        reference forward then runs under the plan too, and the cache TRL keeps them in is
+        keyed apart from log-probs computed without it."""
+        precompute = getattr(trainer, "_precompute_ref_logps", None)
+        if precompute is None:
+            raise ValueError(
+                f"AmpCallback: precompute_ref_log_probs=True with {type(trainer).__name__}, whose precomputed "
+                "reference log-probs AmpCallback cannot put under the plan; set precompute_ref_log_probs=False "
+                "(the reference forward then runs under the plan at each step)"
+            )
+
+        def planned(dataset, name, batch_size):
+            reference = trainer.ref_model or trainer.model
+            self._plan_forward(reference, "model" if reference is trainer.model else "ref_model")
+            if not str(trainer._precompute_model_hash).endswith(f"-amp-{self.dtype}"):
+                trainer._precompute_model_hash = f"{trainer._precompute_model_hash}-amp-{self.dtype}"
+            out = precompute(dataset, name, batch_size)
+            if "precomputed reference log-probs" not in self.forwards:
+                self.forwards.append("precomputed reference log-probs")
+            return out
+
+        trainer._precompute_ref_logps = planned
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if not self._compile_checked and self.backend is not None:
@@ -128,7 +199,8 @@ class AmpCallback(TrainerCallback):
             plan = self.plan()
             # a plan not applied (FP32) states its reason in its own summary
             applied = any(g.applied for g in plan.graphs)
-            extra["amp_plan"] = f"{plan.format_summary()} ({self.reason})" if applied else plan.format_summary()
+            summary = f"{plan.format_summary()} ({self.reason})" if applied else plan.format_summary()
+            extra["amp_plan"] = f"{summary}; forwards under the plan: {', '.join(self.forwards)}"
             self._plan_logged = True
         if self.scaler is not None:
             extra["amp_loss_scale"] = self.scaler.get_scale()

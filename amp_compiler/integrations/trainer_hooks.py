@@ -1,0 +1,67 @@
+"""What ``AmpCallback`` does to the Trainer around it: take the Trainer's own mixed precision
+out of the way, and put every second forward of the model (a reference model, a frozen
+teacher) under the policy's plan.
+
+``TrainingArguments(bf16=True)`` / ``fp16=True`` turn on Accelerate's native AMP: an
+autocast wrapped around each prepared model's forward (and entered by ``accelerator.autocast()``
+in TRL's reference forwards) and, for FP16, a ``GradScaler`` in ``accelerator.backward`` and
+the optimizer step. Under amp that would be a second rewrite on top of the plan, so the
+flag is read as the dtype request and Accelerate's AMP is switched off before ``train()``
+prepares anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger("amp_compiler")
+
+# attributes of TRL trainers that hold a second model whose forward feeds the loss
+SECOND_MODELS = ("ref_model", "teacher_model")
+
+
+def find_trainer(callback) -> object | None:
+    """The ``transformers.Trainer`` whose callbacks include ``callback``, found on the call
+    stack of a Trainer event (the events carry the model and optimizer, not the Trainer)."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and callback in getattr(owner.callback_handler, "callbacks", ()):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def without_autocast_wrapper(model: torch.nn.Module) -> None:
+    """Undo Accelerate's autocast around a model's forward (``prepare_model`` with native AMP
+    keeps the original as ``_original_forward``)."""
+    original = vars(model).get("_original_forward")
+    if original is not None:
+        model.forward = original
+        del model._original_forward
+
+
+def take_over_mixed_precision(trainer) -> None:
+    """Switch Accelerate's native AMP off for ``trainer``: no autocast (around forwards or
+    from ``accelerator.autocast()``), no GradScaler; amp's plan and loss scaling run instead."""
+    accelerator = trainer.accelerator
+    accelerator.native_amp = False
+    accelerator.scaler = None  # prepare() hands this to the optimizer; backward() scales with it
+    for model in (trainer.model, *(getattr(trainer, name, None) for name in SECOND_MODELS)):
+        if isinstance(model, torch.nn.Module):
+            without_autocast_wrapper(model)
+
+
+def second_models(trainer) -> dict[str, torch.nn.Module]:
+    """The trainer's other models whose forward feeds the loss, by attribute name."""
+    found = {}
+    for name in SECOND_MODELS:
+        model = getattr(trainer, name, None)
+        if isinstance(model, torch.nn.Module) and model is not trainer.model:
+            found[name] = model
+    return found

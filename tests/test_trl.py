@@ -1,0 +1,129 @@
+"""TRL trainers with their default configs plus ``AmpCallback``: SFT, DPO and KTO train under
+amp's plan, and a reference model runs under the same plan as the policy (identical weights,
+identical log-probabilities: DPO's margins at step 0 are zero)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from helpers import OpRecorder, recording_backend  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
+
+aten = torch.ops.aten
+MATMULS = (aten.mm, aten.addmm, aten.bmm)
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``w0 .. w124`` (no download)."""
+    vocab = {f"w{i}": i for i in range(125)} | {"<pad>": 125, "<s>": 126, "</s>": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=125, bos_token_id=126, eos_token_id=127,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def words(g: torch.Generator, n: int) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 125, (n,), generator=g))
+
+
+def common(tmp_path, steps=2) -> dict:
+    """What a job sets beside the defaults: where to write, how long, no reporting."""
+    return dict(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, report_to=[],
+        save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+
+
+def test_sft_with_the_default_config_trains_under_the_plan(tmp_path):
+    """SFTConfig()'s defaults (bf16=True, gradient checkpointing) plus the callback: every matmul
+    ran in BF16 under amp's plan, no autocast around the model, FP32 parameters, loss falling."""
+    rec = OpRecorder()
+    callback = AmpCallback(inner=recording_backend(rec))
+    config = SFTConfig(**common(tmp_path, steps=6), learning_rate=2e-3)
+    assert config.bf16 and config.gradient_checkpointing  # TRL's defaults, untouched
+    model = llama()
+    autocast = []
+    model.register_forward_pre_hook(lambda m, a: autocast.append(torch.is_autocast_enabled("cpu")))
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
+    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer(), callbacks=[callback])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+    matmuls = rec.dtypes_of(*MATMULS)
+    assert matmuls and all(d[0] == torch.bfloat16 for d in matmuls)
+    norms = rec.dtypes_of(aten.rsqrt, aten.mean)  # RMSNorm
+    assert norms and all(d[0] == torch.float32 for d in norms)
+    assert autocast and not any(autocast)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert callback.dtype == "bf16" and callback.forwards == ["model"]
+
+
+def preferences(g: torch.Generator, n=8) -> dict:
+    return {"prompt": [words(g, 6) for _ in range(n)], "chosen": [words(g, 5) for _ in range(n)],
+            "rejected": [words(g, 5) for _ in range(n)]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "precompute", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["reference-forward", "precomputed"]
+)
+def test_dpo_at_step_zero_sees_no_preference_with_identical_policy_and_reference(tmp_path, precompute):
+    """Policy and reference are the same weights: under one plan their log-probs agree, so
+    step 0 reports margins within 1e-6 of 0, accuracy 0 and loss log 2 (a reference run in
+    another precision counts the rounding as preference signal)."""
+    policy = llama()
+    reference = copy.deepcopy(policy)
+    callback = AmpCallback()
+    config = DPOConfig(**common(tmp_path), precompute_ref_log_probs=precompute)
+    g = torch.Generator().manual_seed(1)
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference, args=config, train_dataset=datasets.Dataset.from_dict(preferences(g)),
+        processing_class=tokenizer(), callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert abs(first["rewards/margins"]) <= 1e-6, first
+    assert first["rewards/accuracies"] == 0.0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert "ref_model" in callback.forwards and "forwards under the plan" in first["amp_plan"]
+    if precompute:
+        assert "precomputed reference log-probs" in callback.forwards
+
+
+def test_kto_trains_with_its_reference_under_the_plan(tmp_path):
+    """KTOConfig()'s defaults plus the callback: the policy and reference forwards both planned."""
+    policy = llama()
+    g = torch.Generator().manual_seed(2)
+    ds = datasets.Dataset.from_dict(
+        {"prompt": [words(g, 6) for _ in range(8)], "completion": [words(g, 5) for _ in range(8)],
+         "label": [True, False] * 4}
+    )  # fmt: skip
+    callback = AmpCallback()
+    trainer = KTOTrainer(
+        model=policy, ref_model=copy.deepcopy(policy), args=KTOConfig(**common(tmp_path)), train_dataset=ds,
+        processing_class=tokenizer(), callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert math.isfinite(first["loss"]) and abs(first["rewards/margins"]) <= 1e-6
+    assert callback.forwards == ["model", "ref_model"]
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
