@@ -23,8 +23,14 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.calls: list[tuple[object, list[torch.dtype]]] = []
 
+    # higher-order ops (the RNG-state wrappers AOTAutograd puts around random ops under
+    # activation checkpointing) run through as they are, their own ops unrecorded
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         self.record(func.overloadpacket, args, kwargs)
         return func(*args, **kwargs)
 

@@ -65,3 +65,31 @@ def second_models(trainer) -> dict[str, torch.nn.Module]:
         if isinstance(model, torch.nn.Module) and model is not trainer.model:
             found[name] = model
     return found
+
+
+def as_in_training(forward):
+    """``forward`` run the way the policy's training forward runs: with autograd on, outputs
+    detached. A no-grad call compiles an inference graph, whose 16-bit kernels (another
+    fusion, another matmul layout) round differently from the training graph's: identical
+    weights then give log-probs that differ by ~1e-4 nats per sequence. The autograd graph
+    built here is dropped with the detached outputs."""
+
+    def run(*args, **kwargs):
+        with torch.enable_grad():
+            out = forward(*args, **kwargs)
+        return _detached(out)
+
+    run.__wrapped__ = forward
+    return run
+
+
+def _detached(out):
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, dict):  # ModelOutput is a dict: keep its type and attributes
+        for key, value in out.items():
+            out[key] = _detached(value)
+        return out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return type(out)(_detached(v) for v in out)
+    return out

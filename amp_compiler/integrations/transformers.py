@@ -41,7 +41,13 @@ from ..monitor import NonFiniteMonitor
 from ..options import AmpOptions
 from ..plan import PrecisionPlan
 from ..scaler import LossScaler, nonfinite
-from .trainer_hooks import find_trainer, second_models, take_over_mixed_precision, without_autocast_wrapper
+from .trainer_hooks import (
+    as_in_training,
+    find_trainer,
+    second_models,
+    take_over_mixed_precision,
+    without_autocast_wrapper,
+)
 
 log = logging.getLogger("amp_compiler")
 
@@ -125,6 +131,12 @@ class AmpCallback(TrainerCallback):
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(module)
             forward = self._scaled(forward)
+        if name != "model":
+            # the training graph's kernels, not an inference graph's: parameters must ask for
+            # gradients for autograd to build it (none is ever computed: outputs are detached)
+            for p in module.parameters():
+                p.requires_grad_(True)
+            forward = as_in_training(forward)
         module.forward = forward
         self._planned.add(module)
         self.forwards.append(name)
@@ -162,7 +174,13 @@ class AmpCallback(TrainerCallback):
             self._plan_forward(reference, "model" if reference is trainer.model else "ref_model")
             if not str(trainer._precompute_model_hash).endswith(f"-amp-{self.dtype}"):
                 trainer._precompute_model_hash = f"{trainer._precompute_model_hash}-amp-{self.dtype}"
-            out = precompute(dataset, name, batch_size)
+            policy_forward = trainer.model.forward
+            if reference is trainer.model:  # the policy's own forward, as it runs in training
+                trainer.model.forward = as_in_training(policy_forward)
+            try:
+                out = precompute(dataset, name, batch_size)
+            finally:
+                trainer.model.forward = policy_forward
             if "precomputed reference log-probs" not in self.forwards:
                 self.forwards.append("precomputed reference log-probs")
             return out
