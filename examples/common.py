@@ -15,6 +15,7 @@ import torch
 
 VOCAB = 1024  # the most frequent words; the rest map to <unk>
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+WORD = r"[A-Za-z_]+|[0-9]+|[^\sA-Za-z_0-9]"  # a word, a number or one punctuation mark
 
 
 def corpus() -> list[str]:
@@ -27,7 +28,7 @@ def corpus() -> list[str]:
 
 
 def words(sentence: str) -> list[str]:
-    return re.findall(r"[A-Za-z_]+|[0-9]+|[^\sA-Za-z_0-9]", sentence.lower())
+    return re.findall(WORD, sentence.lower())
 
 
 def tokenizer(sentences: list[str]):
@@ -41,9 +42,8 @@ def tokenizer(sentences: list[str]):
         vocab[w] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"[A-Za-z_]+|[0-9]+|[^\sA-Za-z_0-9]"), "isolated")]
-    )
+    split = pre_tokenizers.Split(Regex(WORD), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), split])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
