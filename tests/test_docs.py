@@ -26,7 +26,7 @@ WITH_CODE = [p for p in PAGES if grab_code_blocks(p.read_text(), lang="python")]
 # pages whose blocks compile or train through amp: a 16-bit matmul must have executed there
 RUNS_16_BIT = {"README.md", "calibration.md", "config.md", "integrations.md", "training.md"}
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-NEEDS = {"integrations.md": ("transformers", "trl"), "onnx.md": ("onnxruntime",)}
+NEEDS = {"integrations.md": ("transformers", "trl", "lightning"), "onnx.md": ("onnxruntime",)}
 
 
 @pytest.fixture

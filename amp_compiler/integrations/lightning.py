@@ -1,0 +1,112 @@
+"""``AmpPrecision``: amp as a Lightning precision plugin.
+
+    trainer = lightning.pytorch.Trainer(plugins=[AmpPrecision()])   # dtype="auto"; or "bf16", "fp16"
+
+When the strategy sets the module up, its ``forward`` is compiled with the amp backend; no
+``torch.autocast`` is entered around steps (the plan decides every op). FP16 gets amp's
+``LossScaler`` (a ``GradScaler`` subclass, so Lightning's scaling, unscaling before clipping,
+skipped steps and checkpointing of the scaler apply) and the Inf/NaN monitor, whose alerts
+go to the Python logger and whose scale and skipped-step counts go to the Trainer's logger.
+The first optimizer step refuses a module whose forward no compiled graph took (a
+``training_step`` that never calls ``self(...)``), before anything is updated.
+
+Lightning refuses ``precision=`` beside a precision plugin ("Received both precision=... and
+plugins=..."): give the dtype to ``AmpPrecision`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from ..backend import AmpBackend
+from ..config import AmpConfig, merge
+from ..device import resolve_dtype
+from ..monitor import NonFiniteMonitor
+from ..plan import PrecisionPlan
+from ..scaler import LossScaler
+
+log = logging.getLogger("amp_compiler")
+
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+
+
+class AmpPrecision(MixedPrecision):
+    """See the module docstring. ``dtype``: "auto" (what the device runs fast), "bf16", "fp16"
+    or "fp32"; ``device``: where training runs ("cuda" if available, else "cpu"), for "auto";
+    ``options``: backend options (``fp32_modules``, ...); ``config``: a DeepSpeed-style config."""
+
+    def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
+                 monitor: NonFiniteMonitor | None = None, **options: Any) -> None:  # fmt: skip
+        cfg = AmpConfig.load(config)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype, self.reason = resolve_dtype(merge(dtype, cfg.dtype, "dtype", "auto"), torch.device(device))
+        scaler = (cfg.scaler(device) or LossScaler(device)) if self.dtype == "fp16" else None
+        # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
+        # takes its no-scaler path and then says what it is
+        super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
+        self.precision = LIGHTNING_PRECISION[self.dtype]
+        self.backend = AmpBackend({**cfg.options, **options}, dtype=self.dtype)
+        self.backend.decided = (self.dtype, self.reason)
+        self.monitor = monitor or NonFiniteMonitor()
+        self.skipped_steps = 0
+        self._checked = False
+
+    def __repr__(self) -> str:
+        return f"AmpPrecision(dtype={self.dtype!r})"
+
+    def plan(self) -> PrecisionPlan:
+        return self.backend.plan()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if not getattr(module, "_amp_compiled", False):
+            module.forward = torch.compile(module.forward, backend=self.backend)
+            module._amp_compiled = True
+        return module
+
+    def forward_context(self):
+        return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+
+            def checked():  # noqa: E306 - the check runs after forward and backward, before the update
+                out = closure()
+                self._check_compiled(model)
+                return out
+
+            return super().optimizer_step(optimizer, model=model, closure=checked, **kwargs)
+        before = self.scaler.get_scale()
+
+        def checked_scaled():
+            out = closure()
+            self._check_compiled(model)
+            return out
+
+        out = super().optimizer_step(optimizer, model=model, closure=checked_scaled, **kwargs)
+        after = self.scaler.get_scale()
+        skipped = bool(self.scaler.last_step_skipped)
+        self.skipped_steps += skipped
+        self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler, dtype=self.dtype)
+        logger = getattr(getattr(model, "trainer", None), "logger", None)
+        if logger is not None:
+            step = model.trainer.global_step
+            logger.log_metrics({"amp_loss_scale": after, "amp_skipped_steps": self.skipped_steps}, step=step)
+        return out
+
+    def _check_compiled(self, model) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        why = self.backend.coverage.model_not_compiled()
+        if why is not None:
+            raise RuntimeError(
+                f"AmpPrecision: {why} (a training_step must call the module itself, self(...), "
+                "for its forward to run compiled)"
+            )
+        self.backend.coverage.warn_parameters_outside(model)

@@ -1,0 +1,89 @@
+"""Lightning: ``AmpPrecision`` as a Trainer precision plugin compiles the module's forward with
+the amp backend, scales FP16 with amp's LossScaler, and refuses what would train in silence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from helpers import OpRecorder, recording_backend  # noqa: E402
+
+from amp_compiler.integrations.lightning import AmpPrecision  # noqa: E402
+
+aten = torch.ops.aten
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, call_self: bool = True):
+        super().__init__()
+        self.call_self = call_self
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x) if self.call_self else self.net(x)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loader():
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=16)
+
+
+def trainer(plugin, steps=4, **kw):
+    return pl.Trainer(
+        max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_lightning_trainer_runs_the_plan(dtype):
+    """Matmuls in the 16-bit dtype, LayerNorm FP32, parameters FP32, no autocast around the call;
+    FP16 gets amp's LossScaler."""
+    rec = OpRecorder()
+    plugin = AmpPrecision(dtype, inner=recording_backend(rec))
+    model = Classifier()
+    autocast = []
+    model.register_forward_pre_hook(lambda m, a: autocast.append(torch.is_autocast_enabled("cpu")))
+    trainer(plugin, steps=8).fit(model, loader())
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    matmuls = rec.dtypes_of(aten.mm, aten.addmm)
+    assert matmuls and all(d[0] == low for d in matmuls)
+    assert all(d[0] == torch.float32 for d in rec.dtypes_of(aten.native_layer_norm))
+    assert autocast and not any(autocast)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert plugin.precision == {"bf16": "bf16-mixed", "fp16": "16-mixed"}[dtype]
+    assert (plugin.scaler is not None) == (dtype == "fp16")
+    if plugin.scaler is not None:
+        state = plugin.state_dict()
+        resumed = AmpPrecision("fp16")
+        resumed.load_state_dict(state)
+        assert resumed.scaler.get_scale() == plugin.scaler.get_scale()
+
+
+def test_lightning_precision_flag_beside_the_plugin_is_refused():
+    """precision="bf16-mixed" would be a second precision system: Lightning refuses both at once."""
+    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=AmpPrecision"):
+        pl.Trainer(precision="bf16-mixed", plugins=[AmpPrecision("bf16")], accelerator="cpu")
+
+
+def test_lightning_step_that_bypasses_the_compiled_forward_is_refused_before_an_update():
+    """A training_step that calls a submodule instead of self(...) runs nothing compiled: the
+    first optimizer step raises, with every parameter as it was."""
+    model = Classifier(call_self=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="AmpPrecision: .*self\\(\\.\\.\\.\\)"):
+        trainer(AmpPrecision("bf16", inner="aot_eager")).fit(model, loader())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
