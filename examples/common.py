@@ -116,3 +116,22 @@ def run_trl(job: str, trainer_cls, config_cls, make_kwargs, steps: int, **config
     print(f"{job}: amp ran {callback.dtype} ({callback.reason}); forwards under the plan: {callback.forwards}")
     report(job, results["fp32"], results["amp"], callback.plan())
     return {"results": results, "callback": callback}
+
+
+def token_blocks(sentences: list[str], tok, seq: int) -> torch.Tensor:
+    """The corpus as one token stream (sentences ended by </s>), cut into rows of ``seq``."""
+    ids = [i for s in sentences for i in tok(s).input_ids + [tok.eos_token_id]]
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
+def arguments(doc: str, argv: list[str] | None, steps: int, dtype: bool = False, **more):
+    """An example's command line: ``--steps`` (and ``--dtype`` where the script chooses it)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--steps", type=int, default=steps)
+    if dtype:
+        p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    for name, default in more.items():
+        p.add_argument(f"--{name}", type=type(default), default=default)
+    return p.parse_args(argv)

@@ -8,18 +8,15 @@ policy, so at step 0 the margins are zero, not rounding noise counted as prefere
 
 from __future__ import annotations
 
-import argparse
 import copy
 
-from common import corpus, llama, preference_data, run_trl, tokenizer
+from common import arguments, corpus, llama, preference_data, run_trl, tokenizer
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
-    args = p.parse_args(argv)
+    args = arguments(__doc__, argv, steps=50)
     sentences = corpus()
     tok = tokenizer(sentences)
     data = Dataset.from_dict(preference_data(sentences, 256))

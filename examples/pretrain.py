@@ -9,32 +9,20 @@ validation losses, both times and amp's plan.
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
-from common import Timer, corpus, llama, report, tokenizer
+from common import Timer, arguments, corpus, llama, report, token_blocks, tokenizer
 
 import amp_compiler
 
 
-def blocks(ids: list[int], seq: int) -> torch.Tensor:
-    usable = len(ids) // seq * seq
-    return torch.tensor(ids[:usable]).view(-1, seq)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    args = p.parse_args(argv)
+    args = arguments(__doc__, argv, steps=200, dtype=True, batch=8, seq=64)
 
     sentences = corpus()
     tok = tokenizer(sentences)
-    ids = [i for s in sentences for i in tok(s).input_ids + [tok.eos_token_id]]
-    data = blocks(ids, args.seq)
+    data = token_blocks(sentences, tok, args.seq)
     train, val = data[: -args.batch * 4], data[-args.batch * 4 :]
     g = torch.Generator().manual_seed(0)
     order = torch.randint(0, len(train), (args.steps, args.batch), generator=g)

@@ -8,17 +8,13 @@ the flag as the dtype request and runs amp's plan in place of the Trainer's auto
 
 from __future__ import annotations
 
-import argparse
-
-from common import corpus, llama, run_trl, tokenizer
+from common import arguments, corpus, llama, run_trl, tokenizer
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
-    args = p.parse_args(argv)
+    args = arguments(__doc__, argv, steps=50)
     sentences = corpus()
     tok = tokenizer(sentences)
     data = Dataset.from_dict({"text": sentences[:512]})

@@ -1,4 +1,4 @@
-"""The examples run: each job (pre-training, SFT, DPO, KTO) for a few steps, with
+"""The examples run: each job (pre-training, SFT, DPO, KTO, Lightning) for a few steps, with
 Inductor replaced by a recording backend so the test sees 16-bit matmuls executed under amp."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import amp_compiler.backend
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-NEEDS = {"sft": ("trl",), "dpo": ("trl",), "kto": ("trl",)}
+NEEDS = {"sft": ("trl",), "dpo": ("trl",), "kto": ("trl",), "lightning_train": ("lightning",)}
 
 
 @pytest.fixture
@@ -38,7 +38,13 @@ def example(name: str, monkeypatch):
 
 @pytest.mark.parametrize(
     "name",
-    ["pretrain", "dpo", pytest.param("sft", marks=pytest.mark.slow), pytest.param("kto", marks=pytest.mark.slow)],
+    [
+        "pretrain",
+        "dpo",
+        "lightning_train",
+        pytest.param("sft", marks=pytest.mark.slow),
+        pytest.param("kto", marks=pytest.mark.slow),
+    ],
 )
 def test_example_runs_and_compares_fp32_with_amp(name, tmp_path, monkeypatch, capsys, executed):
     """A few steps: both runs finish with finite losses close to each other, the comparison is

@@ -87,3 +87,32 @@ def test_lightning_step_that_bypasses_the_compiled_forward_is_refused_before_an_
     with pytest.raises(RuntimeError, match="AmpPrecision: .*self\\(\\.\\.\\.\\)"):
         trainer(AmpPrecision("bf16", inner="aot_eager")).fit(model, loader())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fabric_runs_the_plan(dtype):
+    """Fabric(plugins=[AmpFabricPrecision()]): setup compiles the forward, matmuls run 16 bit,
+    inputs stay FP32 (no input conversion), FP16 backward is scaled by amp's LossScaler."""
+    from lightning.fabric import Fabric
+
+    from amp_compiler.integrations.lightning import AmpFabricPrecision
+
+    rec = OpRecorder()
+    plugin = AmpFabricPrecision(dtype, inner=recording_backend(rec))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert all(d[0] == low for d in rec.dtypes_of(aten.mm, aten.addmm)) and rec.dtypes_of(aten.addmm)
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert (plugin.scaler is not None) == (dtype == "fp16")

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from common import corpus, llama, tokenizer  # noqa: E402
+from common import corpus, llama, token_blocks, tokenizer  # noqa: E402
 
 import amp_compiler  # noqa: E402
 
@@ -27,8 +27,7 @@ import amp_compiler  # noqa: E402
 def run(steps: int, dtypes: list[str], batch: int = 16, seq: int = 64, inner: str = "inductor") -> dict:
     sentences = corpus()
     tok = tokenizer(sentences)
-    ids = [i for s in sentences for i in tok(s).input_ids + [tok.eos_token_id]]
-    data = torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+    data = token_blocks(sentences, tok, seq)
     train, val = data[:-64], data[-64:]
     order = torch.randint(0, len(train), (steps, batch), generator=torch.Generator().manual_seed(0))
     model = llama(vocab=len(tok))

@@ -1,6 +1,7 @@
 """``AmpPrecision``: amp as a Lightning precision plugin.
 
     trainer = lightning.pytorch.Trainer(plugins=[AmpPrecision()])   # dtype="auto"; or "bf16", "fp16"
+    fabric = lightning.fabric.Fabric(plugins=[AmpFabricPrecision()])
 
 When the strategy sets the module up, its ``forward`` is compiled with the amp backend; no
 ``torch.autocast`` is entered around steps (the plan decides every op). FP16 gets amp's
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from ..backend import AmpBackend
@@ -43,16 +45,11 @@ class AmpPrecision(MixedPrecision):
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
                  monitor: NonFiniteMonitor | None = None, **options: Any) -> None:  # fmt: skip
-        cfg = AmpConfig.load(config)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype, self.reason = resolve_dtype(merge(dtype, cfg.dtype, "dtype", "auto"), torch.device(device))
-        scaler = (cfg.scaler(device) or LossScaler(device)) if self.dtype == "fp16" else None
+        self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
         # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
         # takes its no-scaler path and then says what it is
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
-        self.backend = AmpBackend({**cfg.options, **options}, dtype=self.dtype)
-        self.backend.decided = (self.dtype, self.reason)
         self.monitor = monitor or NonFiniteMonitor()
         self.skipped_steps = 0
         self._checked = False
@@ -64,10 +61,7 @@ class AmpPrecision(MixedPrecision):
         return self.backend.plan()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if not getattr(module, "_amp_compiled", False):
-            module.forward = torch.compile(module.forward, backend=self.backend)
-            module._amp_compiled = True
-        return module
+        return _compiled(module, self.backend)
 
     def forward_context(self):
         return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
@@ -110,3 +104,50 @@ class AmpPrecision(MixedPrecision):
                 "for its forward to run compiled)"
             )
         self.backend.coverage.warn_parameters_outside(model)
+
+
+class AmpFabricPrecision(FabricMixedPrecision):
+    """``AmpPrecision`` for ``lightning.fabric.Fabric(plugins=[...])``: ``fabric.setup(model)``
+    compiles the model's forward with the amp backend; no autocast, inputs and outputs left as
+    they are (the plan casts); FP16 scaled by amp's ``LossScaler`` in ``fabric.backward``."""
+
+    def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None, **options: Any) -> None:
+        self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
+        super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
+        self.precision = LIGHTNING_PRECISION[self.dtype]
+
+    def __repr__(self) -> str:
+        return f"AmpFabricPrecision(dtype={self.dtype!r})"
+
+    def plan(self) -> PrecisionPlan:
+        return self.backend.plan()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return _compiled(module, self.backend)
+
+    def forward_context(self):
+        return contextlib.nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        return data  # FP32 in: the plan casts where it decided to
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+
+def _settings(dtype, device, config, options) -> tuple:
+    """(dtype, reason, scaler or None, backend, device) for a plugin."""
+    cfg = AmpConfig.load(config)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    resolved, reason = resolve_dtype(merge(dtype, cfg.dtype, "dtype", "auto"), torch.device(device))
+    scaler = (cfg.scaler(device) or LossScaler(device)) if resolved == "fp16" else None
+    backend = AmpBackend({**cfg.options, **options}, dtype=resolved)
+    backend.decided = (resolved, reason)
+    return resolved, reason, scaler, backend, device
+
+
+def _compiled(module: torch.nn.Module, backend: AmpBackend) -> torch.nn.Module:
+    if not getattr(module, "_amp_compiled", False):
+        module.forward = torch.compile(module.forward, backend=backend)
+        module._amp_compiled = True
+    return module
