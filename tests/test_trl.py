@@ -53,9 +53,11 @@ def common(tmp_path, steps=2) -> dict:
     )  # fmt: skip
 
 
-def test_sft_with_the_default_config_trains_under_the_plan(tmp_path):
-    """SFTConfig()'s defaults (bf16=True, gradient checkpointing) plus the callback: every matmul
-    ran in BF16 under amp's plan, no autocast around the model, FP32 parameters, loss falling."""
+@pytest.mark.parametrize("data", ["text", "prompt-completion"])
+def test_sft_with_the_default_config_trains_under_the_plan(tmp_path, data):
+    """SFTConfig()'s defaults (bf16=True, gradient checkpointing; completion-only loss for
+    prompt-completion data) plus the callback: every matmul ran in BF16 under amp's plan, no
+    autocast around the model, FP32 parameters, loss falling."""
     rec = OpRecorder()
     callback = AmpCallback(inner=recording_backend(rec))
     config = SFTConfig(**common(tmp_path, steps=6), learning_rate=2e-3)
@@ -64,7 +66,10 @@ def test_sft_with_the_default_config_trains_under_the_plan(tmp_path):
     autocast = []
     model.register_forward_pre_hook(lambda m, a: autocast.append(torch.is_autocast_enabled("cpu")))
     g = torch.Generator().manual_seed(0)
-    ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
+    if data == "text":
+        ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
+    else:
+        ds = datasets.Dataset.from_dict({"prompt": [words(g, 6)] * 8, "completion": [words(g, 6)] * 8})
     trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer(), callbacks=[callback])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
