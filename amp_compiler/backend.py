@@ -140,7 +140,14 @@ class AmpBackend:
                 plan.applied = False
                 return self._record(
                     CompileRecord(
-                        self.compiled, around, plan.dtype_reason, gm, plan, [], opts, self._took(gm, example_inputs)
+                        self.compiled,
+                        around,
+                        plan.dtype_reason,
+                        gm,
+                        plan,
+                        [],
+                        opts,
+                        self.coverage.took(gm, example_inputs),
                     )
                 )
 
@@ -177,7 +184,9 @@ class AmpBackend:
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         return self._record(
-            CompileRecord(self.compiled, dtype, reason, aten_gm, plan, passes, opts, self._took(gm, example_inputs))
+            CompileRecord(
+                self.compiled, dtype, reason, aten_gm, plan, passes, opts, self.coverage.took(gm, example_inputs)
+            )
         )
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> CompileRecord:
@@ -191,7 +200,7 @@ class AmpBackend:
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
         return self._record(
-            CompileRecord(index, "fp32", reason, gm, plan, passes, opts, self._took(gm, example_inputs))
+            CompileRecord(index, "fp32", reason, gm, plan, passes, opts, self.coverage.took(gm, example_inputs))
         )
 
     def _record_backward(self, gm, example_inputs, opts) -> CompileRecord:
@@ -203,11 +212,8 @@ class AmpBackend:
         plan = GraphPlan(self.compiled, dtype, reason)
         plan.applied = False
         return self._record(
-            CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts, self._took(gm, example_inputs))
+            CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts, self.coverage.took(gm, example_inputs))
         )
-
-    def _took(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
-        return self.coverage.took(gm, example_inputs)
 
     def _record(self, record: CompileRecord) -> CompileRecord:
         self.compiled += 1

@@ -176,14 +176,13 @@ class AmpOptions:
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None = None, **kwargs: Any) -> AmpOptions:
         """Build from torch.compile's ``options={...}`` (and/or keywords)."""
-        merged = {**(options or {}), **kwargs}
-        unknown = sorted(set(merged) - set(cls.names()))
-        if unknown:
-            raise AmpOptionsError(f"unknown option(s) {unknown}; valid options are {cls.names()}")
-        return cls._build(merged)
+        return cls._build({**(options or {}), **kwargs})
 
     @classmethod
     def _build(cls, merged: dict, source: object = None) -> AmpOptions:
+        unknown = sorted(set(merged) - set(cls.names()))
+        if unknown:
+            raise AmpOptionsError(f"unknown option(s) {unknown}; valid options are {cls.names()}")
         extra = {"given": tuple(sorted(merged))}
         if merged.get("policy_file") is not None:
             extra.update(_with_policy_file(merged, source))
@@ -202,9 +201,6 @@ class AmpOptions:
     def replace(self, **changes: Any) -> AmpOptions:
         """These options with ``changes`` on top. A policy file (kept or newly given) fills
         in what is set neither here nor in ``changes``."""
-        unknown = sorted(set(changes) - set(self.names()))
-        if unknown:
-            raise AmpOptionsError(f"unknown option(s) {unknown}; valid options are {self.names()}")
         merged = {**self.explicit(), **changes}
         same_file = "policy_file" not in changes or changes["policy_file"] == self.policy_file
         return self._build(merged, self.policy_source if same_file else None)

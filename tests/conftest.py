@@ -83,3 +83,20 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def inductor_recorded(monkeypatch):
+    """Ops executed by every graph the amp backend hands to its default inner compiler:
+    Inductor stands aside for a recording aot_eager, so a test sees what ran, op by op."""
+    from helpers import OpRecorder, recording_backend
+
+    import amp_compiler.backend
+
+    rec, real = OpRecorder(), amp_compiler.backend.inner_compiler
+
+    def inner(name, mode, budget):
+        return recording_backend(rec) if name == "inductor" else real(name, mode, budget)
+
+    monkeypatch.setattr(amp_compiler.backend, "inner_compiler", inner)
+    return rec

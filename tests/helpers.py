@@ -184,6 +184,7 @@ def cli_here(capsys, *args) -> tuple[int, str, str]:
 
 
 aten = torch.ops.aten
+MATMULS = (aten.mm, aten.addmm, aten.bmm)
 
 
 LOW_EXEC = (

@@ -15,34 +15,19 @@ import types
 
 import pytest
 import torch
-from helpers import OpRecorder, recording_backend
+from helpers import MATMULS
 from mktestdocs import grab_code_blocks
-
-import amp_compiler.backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WITH_CODE = [p for p in PAGES if grab_code_blocks(p.read_text(), lang="python")]
 # pages whose blocks compile or train through amp: a 16-bit matmul must have executed there
 RUNS_16_BIT = {"README.md", "calibration.md", "config.md", "integrations.md", "training.md"}
-MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 NEEDS = {"integrations.md": ("transformers", "trl", "lightning"), "onnx.md": ("onnxruntime",)}
 
 
-@pytest.fixture
-def executed(monkeypatch):
-    """Ops executed by every graph the amp backend compiles with its default inner compiler."""
-    rec, real = OpRecorder(), amp_compiler.backend.inner_compiler
-
-    def inner(name, mode, budget):
-        return recording_backend(rec) if name == "inductor" else real(name, mode, budget)
-
-    monkeypatch.setattr(amp_compiler.backend, "inner_compiler", inner)
-    return rec
-
-
 @pytest.mark.parametrize("page", WITH_CODE, ids=lambda p: p.name)
-def test_page_python_blocks_run(page, tmp_path, monkeypatch, executed):
+def test_page_python_blocks_run(page, tmp_path, monkeypatch, inductor_recorded):
     """Each Python block of the page runs; pages that compile through amp ran 16-bit matmuls."""
     for package in NEEDS.get(page.name, ()):
         pytest.importorskip(package)
@@ -56,7 +41,7 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, executed):
         except Exception as e:
             raise AssertionError(f"{page.name}, Python block {i} failed: {type(e).__name__}: {e}\n{block}") from e
     if page.name in RUNS_16_BIT:
-        low = [d for d in executed.dtypes_of(*MATMULS) if d and d[0] in (torch.bfloat16, torch.float16)]
+        low = [d for d in inductor_recorded.dtypes_of(*MATMULS) if d and d[0] in (torch.bfloat16, torch.float16)]
         assert low, f"{page.name} compiles through amp, yet no 16-bit matmul executed"
 
 

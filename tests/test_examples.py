@@ -9,23 +9,10 @@ import sys
 
 import pytest
 import torch
-from helpers import OpRecorder, recording_backend
-
-import amp_compiler.backend
+from helpers import MATMULS
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 NEEDS = {"sft": ("trl",), "dpo": ("trl",), "kto": ("trl",), "lightning_train": ("lightning",)}
-
-
-@pytest.fixture
-def executed(monkeypatch):
-    rec, real = OpRecorder(), amp_compiler.backend.inner_compiler
-    monkeypatch.setattr(
-        amp_compiler.backend, "inner_compiler",
-        lambda name, mode, budget: recording_backend(rec) if name == "inductor" else real(name, mode, budget),
-    )  # fmt: skip
-    return rec
 
 
 def example(name: str, monkeypatch):
@@ -46,7 +33,7 @@ def example(name: str, monkeypatch):
         pytest.param("kto", marks=pytest.mark.slow),
     ],
 )
-def test_example_runs_and_compares_fp32_with_amp(name, tmp_path, monkeypatch, capsys, executed):
+def test_example_runs_and_compares_fp32_with_amp(name, tmp_path, monkeypatch, capsys, inductor_recorded):
     """A few steps: both runs finish with finite losses close to each other, the comparison is
     printed, and amp's run executed its matmuls in BF16."""
     monkeypatch.chdir(tmp_path)
@@ -56,7 +43,7 @@ def test_example_runs_and_compares_fp32_with_amp(name, tmp_path, monkeypatch, ca
     (loss32, _), (loss_amp, _) = out["results"]["fp32"], out["results"]["amp"]
     assert torch.isfinite(torch.tensor([loss32, loss_amp])).all()
     assert abs(loss_amp - loss32) <= 0.02 * abs(loss32)
-    low = [d for d in executed.dtypes_of(*MATMULS) if d and d[0] == torch.bfloat16]
+    low = [d for d in inductor_recorded.dtypes_of(*MATMULS) if d and d[0] == torch.bfloat16]
     assert low, f"examples/{name}.py ran no BF16 matmul under amp"
     if name == "dpo":
         assert "step-0 margins under amp 0.00e+00" in printed

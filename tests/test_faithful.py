@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import OpRecorder, cosine, grads, recording_backend
+from helpers import MATMULS, OpRecorder, cosine, grads, recording_backend
 from torch.utils.checkpoint import checkpoint
 
 from amp_compiler import AmpBackend
@@ -17,7 +17,6 @@ from amp_compiler.checks.gradient_flow import check_gradient_flow
 from amp_compiler.passes import AmpVerifyError
 
 aten = torch.ops.aten
-MATMULS = (aten.mm, aten.addmm, aten.bmm)
 
 
 class SiLU(torch.autograd.Function):

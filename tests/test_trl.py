@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from helpers import OpRecorder, recording_backend  # noqa: E402
+from helpers import MATMULS, OpRecorder, recording_backend  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer  # noqa: E402
@@ -21,7 +21,6 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrai
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
 
 aten = torch.ops.aten
-MATMULS = (aten.mm, aten.addmm, aten.bmm)
 
 
 def tokenizer() -> PreTrainedTokenizerFast:

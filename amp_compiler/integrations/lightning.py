@@ -18,7 +18,6 @@ plugins=..."): give the dtype to ``AmpPrecision`` instead.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +32,33 @@ from ..monitor import NonFiniteMonitor
 from ..plan import PrecisionPlan
 from ..scaler import LossScaler
 
-log = logging.getLogger("amp_compiler")
-
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 
-class AmpPrecision(MixedPrecision):
+class _AmpPlugin:
+    """What both plugins do the same way: compile the module's forward with the amp backend,
+    enter no autocast, show the plan."""
+
+    backend: AmpBackend
+    dtype: str
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype!r})"
+
+    def plan(self) -> PrecisionPlan:
+        return self.backend.plan()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if not getattr(module, "_amp_compiled", False):
+            module.forward = torch.compile(module.forward, backend=self.backend)
+            module._amp_compiled = True
+        return module
+
+    def forward_context(self):
+        return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
+
+
+class AmpPrecision(_AmpPlugin, MixedPrecision):
     """See the module docstring. ``dtype``: "auto" (what the device runs fast), "bf16", "fp16"
     or "fp32"; ``device``: where training runs ("cuda" if available, else "cpu"), for "auto";
     ``options``: backend options (``fp32_modules``, ...); ``config``: a DeepSpeed-style config."""
@@ -54,35 +74,16 @@ class AmpPrecision(MixedPrecision):
         self.skipped_steps = 0
         self._checked = False
 
-    def __repr__(self) -> str:
-        return f"AmpPrecision(dtype={self.dtype!r})"
-
-    def plan(self) -> PrecisionPlan:
-        return self.backend.plan()
-
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return _compiled(module, self.backend)
-
-    def forward_context(self):
-        return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
-
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.scaler is None:
-
-            def checked():  # noqa: E306 - the check runs after forward and backward, before the update
-                out = closure()
-                self._check_compiled(model)
-                return out
-
-            return super().optimizer_step(optimizer, model=model, closure=checked, **kwargs)
-        before = self.scaler.get_scale()
-
-        def checked_scaled():
+        def checked():  # after forward and backward, before the update
             out = closure()
             self._check_compiled(model)
             return out
 
-        out = super().optimizer_step(optimizer, model=model, closure=checked_scaled, **kwargs)
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=checked, **kwargs)
+        before = self.scaler.get_scale()
+        out = super().optimizer_step(optimizer, model=model, closure=checked, **kwargs)
         after = self.scaler.get_scale()
         skipped = bool(self.scaler.last_step_skipped)
         self.skipped_steps += skipped
@@ -106,7 +107,7 @@ class AmpPrecision(MixedPrecision):
         self.backend.coverage.warn_parameters_outside(model)
 
 
-class AmpFabricPrecision(FabricMixedPrecision):
+class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
     """``AmpPrecision`` for ``lightning.fabric.Fabric(plugins=[...])``: ``fabric.setup(model)``
     compiles the model's forward with the amp backend; no autocast, inputs and outputs left as
     they are (the plan casts); FP16 scaled by amp's ``LossScaler`` in ``fabric.backward``."""
@@ -115,18 +116,6 @@ class AmpFabricPrecision(FabricMixedPrecision):
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
-
-    def __repr__(self) -> str:
-        return f"AmpFabricPrecision(dtype={self.dtype!r})"
-
-    def plan(self) -> PrecisionPlan:
-        return self.backend.plan()
-
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return _compiled(module, self.backend)
-
-    def forward_context(self):
-        return contextlib.nullcontext()
 
     def convert_input(self, data: Any) -> Any:
         return data  # FP32 in: the plan casts where it decided to
@@ -144,10 +133,3 @@ def _settings(dtype, device, config, options) -> tuple:
     backend = AmpBackend({**cfg.options, **options}, dtype=resolved)
     backend.decided = (resolved, reason)
     return resolved, reason, scaler, backend, device
-
-
-def _compiled(module: torch.nn.Module, backend: AmpBackend) -> torch.nn.Module:
-    if not getattr(module, "_amp_compiled", False):
-        module.forward = torch.compile(module.forward, backend=backend)
-        module._amp_compiled = True
-    return module

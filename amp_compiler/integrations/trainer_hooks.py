@@ -12,12 +12,9 @@ prepares anything.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
-
-log = logging.getLogger("amp_compiler")
 
 # attributes of TRL trainers that hold a second model whose forward feeds the loss
 SECOND_MODELS = ("ref_model", "teacher_model")
@@ -58,8 +55,11 @@ def take_over_mixed_precision(trainer) -> None:
 
 
 def second_models(trainer) -> dict[str, torch.nn.Module]:
-    """The trainer's other models whose forward feeds the loss, by attribute name."""
+    """The trainer's other models whose forward feeds the loss, by attribute name (none
+    without a trainer)."""
     found = {}
+    if trainer is None:
+        return found
     for name in SECOND_MODELS:
         model = getattr(trainer, name, None)
         if isinstance(model, torch.nn.Module) and model is not trainer.model:

@@ -63,7 +63,6 @@ class AmpCallback(TrainerCallback):
         self.trainer = None
         self.forwards: list[str] = []  # the forwards compiled under the plan
         self._planned = weakref.WeakSet()
-        self.scaler_device = torch.device("cpu")
         self.options = {**self.config.options, **options}
         self.monitor = monitor or NonFiniteMonitor()
         self.backend: AmpBackend | None = None
@@ -112,7 +111,7 @@ class AmpCallback(TrainerCallback):
         if model is None:
             return
         self._plan_forward(model)
-        for name, other in second_models(self.trainer).items() if self.trainer is not None else ():
+        for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
         log.info("AmpCallback: %s (%s); forwards under the plan: %s", self.dtype, self.reason, ", ".join(self.forwards))
 
@@ -126,7 +125,7 @@ class AmpCallback(TrainerCallback):
         without_autocast_wrapper(module)
         forward = torch.compile(module.forward, backend=self.backend)
         if name == "model" and self.dtype == "fp16":
-            device = self.scaler_device
+            device = _device_of(module)
             self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(module)
@@ -143,7 +142,7 @@ class AmpCallback(TrainerCallback):
 
     def _resolve(self, model: torch.nn.Module) -> None:
         """The dtype for ``model``'s device, and the backend that plans every forward."""
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = _device_of(model)
         low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
         if low:
             raise ValueError(
@@ -155,7 +154,6 @@ class AmpCallback(TrainerCallback):
             self.reason = f"TrainingArguments({self.flag}=True); {self.reason}"
         self.backend = AmpBackend(self.options, dtype=self.dtype)
         self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
-        self.scaler_device = device
 
     def _plan_precomputed_reference(self, trainer) -> None:
         """TRL computes reference log-probs once, in ``__init__`` after this event: the
@@ -254,6 +252,10 @@ class AmpCallback(TrainerCallback):
             return out
 
         return run
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _hold_once(scheduler) -> None:
