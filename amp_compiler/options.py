@@ -16,6 +16,7 @@ from .policy import Policy
 DTYPES = ("bf16", "fp16", "fp32", "auto")
 INNER_NAMES = ("inductor", "aot_eager", "eager")
 ATTENTION = ("auto", "fused", "explicit")
+LOSS_HEAD = ("fused", "exact", "off")
 _DTYPE_ALIASES = {
     "bf16": "bf16",
     "bfloat16": "bf16",
@@ -76,6 +77,15 @@ class AmpOptions:
         written out, on any device (memory grows with the square of the
         sequence). Either way a trainable float mask on CPU is written out:
         the fused kernel cannot give its gradient.
+    loss_head: the language-model loss head (vocabulary projection into
+        cross-entropy, or log_softmax + gather of target log-probs). "fused"
+        (default): one op computes each token's log-sum-exp and target logit over
+        chunks of tokens, the projection in the low dtype and the rest in FP32; the
+        logits are never stored for backward (recomputed per chunk) nor made FP32 as
+        a whole. "exact": the same with the projection in FP32 (log-probs within
+        1e-3 nats of FP64). "off": the head runs as written. A head that cannot
+        be fused stays as written, with the reason in the plan; logits the graph
+        also returns or uses elsewhere are kept as written.
     dump_dir: write the graph after every pass to this directory.
     policy_file: a calibrated policy file (``amp_compiler.calibrate``, see
         docs/calibration.md): its pins and overrides join these options; options
@@ -94,6 +104,7 @@ class AmpOptions:
     low_precision_outputs: bool = False
     memory_budget: float | None = None
     attention: str = "auto"
+    loss_head: str = "fused"
     dump_dir: str | None = None
     policy_file: str | None = None
     policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -148,6 +159,11 @@ class AmpOptions:
             raise AmpOptionsError(
                 f"attention={self.attention!r} is not valid; use one of {ATTENTION} "
                 "(auto: written out where measured faster)"
+            )
+        if self.loss_head not in LOSS_HEAD:
+            raise AmpOptionsError(
+                f"loss_head={self.loss_head!r} is not valid; use one of {LOSS_HEAD} "
+                "(fused: chunked 16-bit projection, FP32 log-sum-exp; exact: FP32 projection; off: as written)"
             )
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             object.__setattr__(self, "dump_dir", str(self.dump_dir))

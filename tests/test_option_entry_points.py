@@ -38,6 +38,9 @@ class Run:
     def ran(self, op, dtype) -> bool:
         return any(d and d[0] == dtype for d in self.rec.dtypes_of(op))
 
+    def ran_head(self) -> bool:
+        return bool(self.rec.dtypes_of(torch.ops.amp.head_stats))
+
     def linears(self) -> list[torch.dtype]:
         """Forward addmm input dtypes, in order: body, then correction."""
         return [d[0] for d in self.rec.dtypes_of(aten.addmm)][:2]
@@ -104,6 +107,8 @@ ROWS = {
         lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5}, context={"inner": "inductor"}
     ),
     "attention": Row(lambda t, s: "fused", lambda r: r.ran(SDPA_CPU, torch.bfloat16)),
+    # "off": the head runs as written (its log_softmax executes); the default fuses it
+    "loss_head": Row(lambda t, s: "off", lambda r: r.ran(aten._log_softmax, torch.float32) and not r.ran_head()),
     "dump_dir": Row(lambda t, s: str(t / "dump"), lambda r: any(r.extra["tmp"].glob("dump/**/*"))),
     "policy_file": Row(
         lambda t, s: _policy_file(t),

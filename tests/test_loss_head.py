@@ -1,0 +1,323 @@
+"""The fused loss head: the op against the loss it replaces, the pass on every form of head it
+recognises (and the ones it leaves), what executed and what was saved for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import OpRecorder, cosine, recording_backend
+
+from amp_compiler import AmpBackend, make_train_step
+from amp_compiler.loss_head import MIN_VOCAB, chunk_rows, format_chain, head_stats
+
+aten = torch.ops.aten
+HEAD = torch.ops.amp.head_stats
+V, D = 4096, 32
+
+
+# -- the op ------------------------------------------------------------------------------
+
+
+def _reference(h, w, b, t, chain, ignore=-100, smoothing=0.0, reduction="mean"):
+    z = F.linear(h, w, b)
+    for kind, value in chain:
+        z = z * value if kind == "m" else torch.tanh(z)
+    return F.cross_entropy(z, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
+
+
+def _from_stats(stats, t, vocab, ignore=-100, smoothing=0.0):
+    picked, lse, total = stats
+    valid = t != ignore
+    nll = torch.lerp(lse - picked, lse - total / vocab, smoothing)
+    return torch.where(valid, nll, 0.0).sum() / valid.sum()
+
+
+@pytest.mark.parametrize("chain", [[], [("m", 1 / 0.7)], [("m", 1 / 30), ("t", 0.0), ("m", 30.0)]])
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias):
+    """In FP64 (exact) the op's loss and gradients are the unfused head's, over uneven chunks
+    and with ignored targets and label smoothing."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 37, 8, 53
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::5] = -100
+    leaves = [x for x in (h, w, b) if x is not None]
+    ref = _reference(h, w, b, t, chain, smoothing=0.1)
+    ref_grads = torch.autograd.grad(ref, leaves)
+    stats = HEAD(h, w, b, t, format_chain(chain), -100, 6, True, True)
+    loss = _from_stats(stats, t, vocab, smoothing=0.1)
+    grads = torch.autograd.grad(loss, leaves)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_op_registration_holds():
+    """Fake kernel, autograd and schema agree with the real kernel (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 8, generator=g, requires_grad=True)
+    w = torch.randn(64, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 64, (12,), generator=g)
+    torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, 5, False, True))
+
+
+def test_op_refuses_a_target_outside_the_vocabulary():
+    h, w = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(IndexError, match="Target 16 is out of bounds"):
+        HEAD(h, w, None, torch.tensor([0, 1, 16, -100]), "", -100, 2, False, False)
+
+
+def test_chunk_rows_bound_a_chunk_of_fp32_logits():
+    assert chunk_rows(32768) * 32768 * 4 <= 32 * 2**20
+    assert chunk_rows(131072) == 64 and chunk_rows(32768, tokens=10) == 10
+
+
+# -- the pass ----------------------------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    """Embedding -> Linear+GELU -> a loss head written one of the ways models write it."""
+
+    def __init__(self, loss="hf", vocab=V, tied=False, bias=False, returns_logits=False):
+        super().__init__()
+        self.loss, self.returns_logits = loss, returns_logits
+        self.emb = nn.Embedding(vocab, D)
+        self.body = nn.Sequential(nn.Linear(D, D), nn.GELU())
+        self.head = nn.Linear(D, vocab, bias=bias)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.body(self.emb(ids)))
+        if labels is None:  # the loss is the caller's
+            return logits
+        loss = LOSSES[self.loss](logits, labels)
+        return (loss, logits) if self.returns_logits else loss
+
+
+def _hf(logits, labels):  # transformers' ForCausalLMLoss
+    logits = logits.float()
+    labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1), ignore_index=-100)
+
+
+def _token_logps(logits, labels):  # what DPO/KTO trainers gather
+    logps = torch.gather(logits.float().log_softmax(-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (logps * (labels != -100)).sum() / (labels != -100).sum()
+
+
+def _per_token(logits, labels):
+    return torch.gather(logits.float().log_softmax(-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+LOSSES = {
+    "hf": _hf,
+    "shifted": lambda z, y: F.cross_entropy(z[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten()),
+    "sum_smoothed": lambda z, y: F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="sum", label_smoothing=0.1)
+    / 64,
+    "none": lambda z, y: F.cross_entropy(z.flatten(0, 1).float(), y.flatten(), reduction="none").mean(),
+    "nll": lambda z, y: F.nll_loss(F.log_softmax(z.flatten(0, 1).float(), -1), y.flatten()),
+    "token_logps": _token_logps,
+    "per_token": _per_token,
+    "temperature": lambda z, y: F.cross_entropy((z.float() / 0.7).flatten(0, 1), y.flatten()),
+    "softcap": lambda z, y: F.cross_entropy((torch.tanh(z.float() / 30) * 30).flatten(0, 1), y.flatten()),
+    # not fusable: class weights, an op the head does not know
+    "weighted": lambda z, y: F.cross_entropy(z.flatten(0, 1).float(), y.flatten(), weight=torch.ones(z.shape[-1])),
+    "clamped": lambda z, y: F.cross_entropy(z.flatten(0, 1).float().clamp(-50, 50), y.flatten()),
+    # fusable, the logits kept for the other reader
+    "entropy_too": lambda z, y: (
+        F.cross_entropy(z.flatten(0, 1).float(), y.flatten()) + z.float().log_softmax(-1).exp().mean()
+    ),
+}
+
+
+def _batch(seed=1, vocab=V):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 32), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a masked prompt
+    return ids, labels
+
+
+def _run(model, loss_head, dynamic=None, batches=(_batch(),), dtype="bf16", **options):
+    """Forward + backward under the amp backend, recorded; (what the backend did, recorder,
+    outputs, tensors saved for backward). The next ``torch._dynamo.reset()`` empties the
+    backend's records: the returned ``Done`` keeps what the test reads of them."""
+    rec = OpRecorder()
+    backend = AmpBackend(dtype=dtype, inner=recording_backend(rec), loss_head=loss_head, **options)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    outs, saved = [], []
+    for ids, labels in batches:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = compiled(ids, labels)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.sum().backward()
+        outs.append(out)
+    return Done(backend), rec, outs, saved
+
+
+class Done:
+    def __init__(self, backend):
+        self.graphs = len(backend.records)
+        self.fused = [
+            f for r in backend.records for p in r.passes if p.name == "fuse_loss_head" for f in p.detail["fused"]
+        ]
+        self.nodes = backend.plan().nodes
+
+
+def _fused(done):
+    return done.fused
+
+
+FUSED = ["hf", "shifted", "sum_smoothed", "none", "nll", "token_logps", "temperature", "softcap"]
+
+
+@pytest.mark.parametrize("loss", FUSED)
+def test_head_is_fused_trains_alike_and_saves_no_logits(loss):
+    """The fused op ran on 16-bit inputs, nothing of the logits' size was saved for backward,
+    and loss and gradients are the unfused 16-bit head's (within BF16's rounding of both)."""
+    torch.manual_seed(0)
+    model = Decoder(loss, bias=loss == "temperature")
+    plain = copy.deepcopy(model)
+    backend, rec, (loss_fused,), saved = _run(model, "fused")
+    _, rec_off, (loss_off,), saved_off = _run(plain, "off")
+    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.bfloat16]]
+    assert not rec_off.dtypes_of(HEAD)
+    logits_size = 62 * V  # the shifted loss reads 62 of the 64 tokens
+    assert max(t.numel() for t in saved) < logits_size <= max(t.numel() for t in saved_off)
+    assert loss_fused.item() == pytest.approx(loss_off.item(), rel=2e-3)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
+    (head,) = _fused(backend)
+    tokens = 62 if loss == "shifted" else 64
+    assert head["chunk"] == tokens and head["saved_bytes"] == tokens * V * 6
+
+
+def test_exact_head_matches_fp64_and_default_is_no_worse_than_16_bit():
+    """Per-token target log-probs at trained-size logits (std ~4) against FP64 from the same
+    hidden states: "exact" within 1e-3 nats; the default no worse than the unfused 16-bit head."""
+    torch.manual_seed(0)
+    vocab = 8192
+    model = Decoder("token_logps", vocab=vocab)
+    hidden = {}
+    model.body.register_forward_hook(lambda m, i, o: hidden.__setitem__("h", o.detach()))
+    batch = _batch(vocab=vocab)
+    model(*batch)
+    with torch.no_grad():  # logits of a trained model's size
+        model.head.weight.mul_(4 / model.head(hidden["h"]).std())
+
+    def per_token(mode):
+        m = copy.deepcopy(model)
+        m.loss = "per_token"
+        # the body in FP32 (as in the reference): the head's own error is what is measured
+        return _run(m, mode, batches=[batch], fp32_modules=["body"])[2][0].detach().double()
+
+    ids, labels = batch
+    model(ids, labels)  # the hidden states, again
+    z = F.linear(hidden["h"].double(), model.head.weight.double())
+    assert 3 < z.std() < 6  # logits of a trained size
+    ref = torch.gather(z.log_softmax(-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    err = {mode: (per_token(mode) - ref).abs() for mode in ("exact", "fused", "off")}
+    assert err["exact"].max() < 1e-3
+    assert err["fused"].mean() <= 1.05 * err["off"].mean()
+    assert err["off"].mean() > 10 * err["exact"].mean()  # the comparison can fail
+
+
+@pytest.mark.parametrize(
+    "loss, why",
+    [("weighted", "class weights"), ("clamped", "logits pass through aten.clamp"), ("hf", "vocabulary of 64")],
+)
+def test_a_head_left_as_written_says_why(loss, why):
+    torch.manual_seed(0)
+    vocab = 64 if why.startswith("vocabulary") else V
+    model = Decoder(loss, vocab=vocab)
+    backend, rec, _, _ = _run(model, "fused", batches=[_batch(vocab=vocab)])
+    assert not rec.dtypes_of(HEAD) and not _fused(backend)
+    reasons = [n.reason for n in backend.nodes if "loss head not fused" in n.reason]
+    assert reasons and why in reasons[0]
+    assert MIN_VOCAB > 64
+
+
+def test_logits_read_elsewhere_are_kept_for_that_reader():
+    torch.manual_seed(0)
+    model = Decoder("entropy_too")
+    plain = copy.deepcopy(model)
+    done, rec, (loss,), _ = _run(model, "fused")
+    _, _, (loss_off,), _ = _run(plain, "off")
+    (head,) = done.fused
+    assert rec.dtypes_of(HEAD) and head["logits_kept_for"] == ["to_1"]  # the second .float()
+    assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
+
+
+def test_logits_returned_too_are_kept_intact():
+    """A model that returns its logits beside the loss: the loss is fused, the logits are the
+    ones the unfused graph returns, bit for bit, and the plan names who kept them."""
+    torch.manual_seed(0)
+    model = Decoder("hf", returns_logits=True)
+    plain = copy.deepcopy(model)
+    backend, rec, ((loss, logits),), _ = _run(model, "fused")
+    _, _, ((loss_off, logits_off),), _ = _run(plain, "off")
+    assert rec.dtypes_of(HEAD)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits_off)
+    (head,) = _fused(backend)
+    assert head["logits_kept_for"] == ["output"]
+    assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
+
+
+def test_tied_weights_get_one_gradient():
+    torch.manual_seed(0)
+    model = Decoder("hf", tied=True)
+    plain = copy.deepcopy(model)
+    _, rec, _, _ = _run(model, "fused")
+    _run(plain, "off")
+    assert rec.dtypes_of(HEAD)
+    assert model.head.weight is model.emb.weight
+    assert cosine(model.emb.weight.grad.flatten(), plain.emb.weight.grad.flatten()) > 0.999
+
+
+def test_dynamic_sequence_lengths_compile_once():
+    """Under dynamic=True two sequence lengths share one fused graph (no size guard)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(ids, ids) for ids in (torch.randint(0, V, (2, n), generator=g) for n in (16, 24, 40))]
+    done, rec, _, _ = _run(Decoder("hf"), "fused", dynamic=True, batches=batches)
+    off, _, _, _ = _run(Decoder("hf"), "off", dynamic=True, batches=batches)
+    assert len(rec.dtypes_of(HEAD)) == 3
+    assert done.graphs == off.graphs  # the fused head guards on no size
+    assert done.fused[-1]["saved_bytes"] is None
+
+
+def test_plan_row_names_the_head_its_chunk_and_the_bytes():
+    torch.manual_seed(0)
+    backend, _, _, _ = _run(Decoder("hf"), "fused")
+    (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
+    assert row.precision == "LOW" and row.compute_dtype == "bf16"
+    assert "64 tokens per chunk" in row.reason and "1.5 MiB of logits not kept" in row.reason
+    backend, _, _, _ = _run(Decoder("hf"), "exact")
+    (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
+    assert row.precision == "FP32" and "loss_head='exact'" in row.reason
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_training_step_fuses_a_loss_given_beside_the_model(dtype):
+    """make_train_step compiles the loss with the model: the head is fused there too, FP16
+    with its loss scaling (no skipped step, the loss falls)."""
+    torch.manual_seed(0)
+    model, rec = Decoder(), OpRecorder()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step = make_train_step(model, opt, _hf, dtype=dtype, compile_options={"inner": recording_backend(rec)})
+    ids, labels = _batch()
+    results = [step(ids, labels) for _ in range(6)]
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert rec.dtypes_of(HEAD) and all(d[:2] == [low, low] for d in rec.dtypes_of(HEAD))
+    assert not any(r.skipped for r in results)
+    assert results[-1].loss.item() < results[0].loss.item()
