@@ -3,7 +3,8 @@
 The ground ``doctor``, ``calibrate`` and the training step's alert explanation stand on:
 each graph Dynamo compiles is lowered twice, once as is (the FP32 reference) and once
 through the amp pipeline; both run under an Interpreter and nodes are matched by name
-(the passes only add casts).
+(the passes add casts; a node a rewrite put in place of another, such as the fused loss
+head's loss, is compared with the one it replaces).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
     rows = []
     for node in amp_gm.graph.nodes:
         i = info(node)
-        if node.name not in amp_vals or node.name not in ref_vals or i is None or i.inserted:
+        ref_name = (i.replaces if i is not None else "") or node.name
+        if node.name not in amp_vals or ref_name not in ref_vals or i is None or i.inserted:
             continue
-        a, r = amp_vals[node.name].double(), ref_vals[node.name].double()
+        a, r = amp_vals[node.name].double(), ref_vals[ref_name].double()
         if a.shape != r.shape:
             continue
         nonfinite = bool(not torch.isfinite(a).all() and torch.isfinite(r).all())
@@ -79,7 +81,7 @@ def _compare(amp_gm, ref_vals, amp_vals, index) -> list[NodeError]:
         rows.append(
             NodeError(
                 index,
-                node.name,
+                ref_name,
                 i.op,
                 i.module,
                 i.precision.value,

@@ -8,10 +8,12 @@ and are never saved: backward recomputes each chunk's logits from ``h`` and ``w`
 What the loss does with the three numbers (ignore_index, smoothing, reduction) stays
 ordinary graph ops that the compiler sees.
 
-Precision: the projection runs in the dtype ``h`` and ``w`` arrive in (16 bit, FP32
-accumulation; its output rounded to 16 bit as the unfused 16-bit head rounds it,
-except on CUDA where the GEMM writes FP32), the chain (scale, soft-cap), log-sum-exp
-and gather in FP32. ``exact``: the projection in FP32 from FP32 inputs.
+Precision: the projection runs in ``h``'s dtype (16 bit, FP32 accumulation; its output
+rounded to 16 bit as the unfused 16-bit head rounds it, except on CUDA where the GEMM
+writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w`` is the
+FP32 master weight, cast per call: no 16-bit copy of it is kept for backward, and its
+gradient is accumulated over the chunks in FP32 and returned as such. ``exact``: the
+projection in FP32.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import functools
 
 import torch
 
-# Rows per chunk: a chunk's FP32 logits hold about this many elements (32 MiB)
-CHUNK_ELEMENTS = 1 << 23
+# Rows per chunk: a chunk's FP32 logits hold about this many elements (16 MiB); backward
+# holds about 2.5 such buffers at once
+CHUNK_ELEMENTS = 1 << 22
 MIN_ROWS = 16
 # Below this many classes the logits are small beside the model's other activations
-MIN_VOCAB = 2048
+MIN_VOCAB = 8192
 
 
 def chunk_rows(vocab: int, tokens: int | None = None) -> int:
@@ -54,20 +57,24 @@ _FP32_OUT_MM: dict[str, bool] = {}
 
 
 def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool) -> torch.Tensor:
-    """``h @ w.T + b`` as FP32 logits."""
+    """``h @ w.T + b`` as FP32 logits; ``w`` and ``b`` already in the projection's dtype."""
     if exact:
-        z = h.float() @ w.float().t()
-        return z if b is None else z + b.float()
+        z = h.float() @ w.t()
+        return z if b is None else z.add_(b)
     kind = h.device.type
-    if kind != "cpu" and h.dtype == w.dtype and _FP32_OUT_MM.get(kind, True):
+    if kind != "cpu" and _FP32_OUT_MM.get(kind, True):
         try:  # the GEMM writes its FP32 accumulator: the logits are never rounded to 16 bit
             z = torch.mm(h, w.t(), out_dtype=torch.float32)
             _FP32_OUT_MM[kind] = True
-            return z if b is None else z + b.float()
+            return z if b is None else z.add_(b)
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUT_MM[kind] = False
-    z = (h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())).float()
-    return z
+    return (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
+
+
+def _operands(h, w, b, exact):
+    dtype = torch.float32 if exact else h.dtype
+    return w.to(dtype), None if b is None else b.to(dtype)
 
 
 def _chain_forward(z: torch.Tensor, chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -107,16 +114,18 @@ def head_stats(
     n, vocab = h.shape[0], w.shape[0]
     valid = _check_targets(target, vocab, ignore_index)
     safe = torch.where(valid, target, 0)
+    wc, bc = _operands(h, w, b, exact)
     picked = h.new_empty(n, dtype=torch.float32)
     lse = h.new_empty(n, dtype=torch.float32)
     total = h.new_zeros(n, dtype=torch.float32)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        z, _ = _chain_forward(_project(h[rows], w, b, exact), steps)
-        lse[rows] = torch.logsumexp(z, 1)
+        z, _ = _chain_forward(_project(h[rows], wc, bc, exact), steps)
         picked[rows] = z.gather(1, safe[rows, None]).squeeze(1)
         if with_sum:
             total[rows] = z.sum(1)
+        top = z.amax(1, keepdim=True)  # log-sum-exp in place: no second chunk-sized buffer
+        lse[rows] = z.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
     return picked, lse, total
 
 
@@ -147,15 +156,14 @@ def head_stats_backward(
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
     g_picked = g_picked * valid
-    grad_dtype = torch.float32 if exact else h.dtype
-    w_mm = w.float() if exact else w.to(h.dtype)
+    wc, bc = _operands(h, w, b, exact)
     dh = torch.empty_like(h)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # accumulated in FP32
     db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        hc = h[rows]
-        z, tanhs = _chain_forward(_project(hc, w, b, exact), steps)
+        hc = h[rows].float() if exact else h[rows]
+        z, tanhs = _chain_forward(_project(hc, wc, bc, exact), steps)
         dz = z.sub_(lse[rows, None]).exp_().mul_(g_lse[rows, None])  # softmax x dL/dlse
         dz.add_(g_total[rows, None])
         dz.scatter_add_(1, safe[rows, None], g_picked[rows, None])
@@ -165,11 +173,12 @@ def head_stats_backward(
             else:
                 y = tanhs.pop()
                 dz.mul_(1 - y * y)
-        dl = dz.to(grad_dtype)
-        dh[rows] = (dl @ w_mm).to(h.dtype)
-        dw += (dl.t() @ (hc.float() if exact else hc)).float()
         if b is not None:
             db += dz.sum(0)
+        dl = dz if exact else dz.to(h.dtype)
+        del z, dz
+        dh[rows] = (dl @ wc).to(h.dtype)
+        dw.add_(dl.t() @ hc)
     return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 

@@ -25,6 +25,8 @@ class NodeInfo:
     constants: scalar arguments to replace (argument index or name -> value):
         FP32's extreme as a fill becomes the low dtype's extreme.
     placed: a flexible node whose dtype the minimum cut chose (kept on a re-run).
+    replaces: the node of the program as written whose value this one computes (a
+        rewrite's result: the fused loss head's loss), for side-by-side comparison.
     """
 
     precision: Precision
@@ -42,6 +44,7 @@ class NodeInfo:
     placed: bool = False  # dtype chosen by place_flexible's minimum cut, not by arrival
     casts: list[str] = field(default_factory=list)
     constants: dict = field(default_factory=dict)
+    replaces: str = ""
 
 
 def info(node: torch.fx.Node) -> NodeInfo | None:

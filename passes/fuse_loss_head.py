@@ -120,9 +120,11 @@ class _Fusion:
             raise _NotFused("the vocabulary or hidden size is dynamic")
         if vocab < MIN_VOCAB:
             raise _NotFused(f"vocabulary of {vocab} < {MIN_VOCAB}: its logits are small, fusing saves little")
-        exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == _val(w).dtype == torch.float32
-        if self.ctx.options.loss_head == "exact":
-            h, w, b = (_source(x) for x in (h, w, b))
+        # the FP32 master weight (not its 16-bit copy): cast per call, its gradient kept FP32
+        w, b = _source(w), _source(b)
+        exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == torch.float32
+        if exact:
+            h = _source(h)
         ends = {self.consumer, self.node.args[0]}
         kept = [u.name for n in path for u in n.users if u not in path and u not in ends]
         return self._rewrite(head, h, w, b, row_ops, chain, path, exact, vocab, width, kept)
@@ -224,6 +226,7 @@ class _Fusion:
     # -- rewrite -----------------------------------------------------------------------
     def _emit(self, target, args, reason, precision=Precision.FP32, kwargs=None):
         node = self.graph.call_function(target, tuple(args), kwargs or {})
+        node._rename(f"loss_head_{node.name}")  # apart from the names of the program as written
         node.meta["amp"] = NodeInfo(precision, reason, op=str(target), module=self.module)
         for key in ("stack_trace", "nn_module_stack"):
             if key in self.node.meta:
@@ -262,12 +265,10 @@ class _Fusion:
                 torch.ops.amp.head_stats.default,
                 [x, w, b, target, format_chain(chain), ignore, rows, exact, bool(smoothing)],
                 f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
-                f"{rows} tokens per chunk, recomputed per chunk in backward; "
+                f"{rows} tokens per chunk, recomputed per chunk in backward, the weight's gradient accumulated in FP32; "
                 f"{_saved(tokens, vocab, low)} of logits not kept for backward",
                 Precision.FP32 if exact else Precision.LOW,
             )
-            if not exact:
-                info(stats).compute = low
             picked, lse, total = (
                 self._emit(operator.getitem, [stats, i], "fused loss head statistic") for i in range(3)
             )
@@ -284,6 +285,7 @@ class _Fusion:
         if self.kind != "log_prob_gather" and not _same(rows_in, rows_out):
             self._undo()
             raise _NotFused("the head's input does not line up with the logits' rows")
+        info(out).replaces = self.consumer.name
         self.consumer.replace_all_uses_with(out)
         self._erase_dead([self.consumer, *([self.node.args[0]] if self.kind != "cross_entropy" else []), *path])
         return {

@@ -319,6 +319,7 @@ def test_dump_dir_writes_graph_after_each_pass(tmp_path):
         "graph0_2_place_flexible.txt",
         "graph0_3_insert_casts.txt",
         "graph0_4_fold_casts.txt",
-        "graph0_5_verify_plan.txt",
+        "graph0_5_fuse_loss_head.txt",
+        "graph0_6_verify_plan.txt",
     ]
     assert "_to_copy" in (tmp_path / "graph0_3_insert_casts.txt").read_text()

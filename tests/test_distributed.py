@@ -273,3 +273,61 @@ def test_fsdp2_mixed_precision_policy_owns_the_weight_cast_and_halves_the_all_ga
     assert all(p == "LOW" and len(c) == 3 for p, c in lin32)  # activation, weight, bias cast by amp
     assert all(p == "LOW" and len(c) == 1 and "args_0" in c[0] for p, c in lin16)  # activation only
     assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
+
+
+def _head_worker(rank, port, wrap, results):
+    """A decoder computing its own loss (as a Hugging Face model given labels does: under DDP
+    and FSDP2 the training step compiles the forwards inside the wrapper, the loss outside),
+    2 ranks: DDP, or FSDP2 with every weight, the head's too, sharded in one unit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from helpers import OpRecorder, recording_backend
+        from test_loss_head import Decoder, _batch
+
+        import amp_compiler
+
+        torch.manual_seed(0)
+        model = Decoder()
+        if wrap == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model)
+        rec = OpRecorder()
+        step = amp_compiler.make_train_step(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=3e-3),
+            lambda loss: loss,
+            dtype="bf16",
+            compile_options={"inner": recording_backend(rec)},
+        )
+        ids, labels = _batch(seed=rank)
+        losses = [step((ids, labels)).loss.item() for _ in range(4)]
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+        results[rank] = (
+            losses,
+            [d[:2] for d in rec.dtypes_of(torch.ops.amp.head_stats)],
+            [p.detach().clone() for p in params],
+            {type(p).__name__ for p in model.parameters()},
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_fused_loss_head_under_ddp_and_fsdp2(wrap):
+    """Each rank runs the fused head on 16-bit inputs (FSDP2: the head's sharded weight
+    gathered first); the loss falls; ranks end with the same parameters."""
+    results = mp.Manager().dict()
+    mp.spawn(_head_worker, args=(_free_port(), wrap, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        losses, heads, _, kinds = results[rank]
+        assert heads and all(h == [torch.bfloat16, torch.float32] for h in heads)
+        assert losses[-1] < losses[0]
+        assert ("DTensor" in kinds) == (wrap == "fsdp2")
+    for p, q in zip(results[0][2], results[1][2]):
+        assert torch.equal(p, q)

@@ -22,7 +22,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WITH_CODE = [p for p in PAGES if grab_code_blocks(p.read_text(), lang="python")]
 # pages whose blocks compile or train through amp: a 16-bit matmul must have executed there
-RUNS_16_BIT = {"README.md", "calibration.md", "config.md", "integrations.md", "training.md"}
+RUNS_16_BIT = {"README.md", "calibration.md", "config.md", "integrations.md", "loss-head.md", "training.md"}
+# pages that show an op of amp's own running: it must have executed there
+EXECUTES = {"loss-head.md": torch.ops.amp.head_stats}
 NEEDS = {"integrations.md": ("transformers", "trl", "lightning"), "onnx.md": ("onnxruntime",)}
 
 
@@ -43,6 +45,8 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, inductor_recorded):
     if page.name in RUNS_16_BIT:
         low = [d for d in inductor_recorded.dtypes_of(*MATMULS) if d and d[0] in (torch.bfloat16, torch.float16)]
         assert low, f"{page.name} compiles through amp, yet no 16-bit matmul executed"
+    if page.name in EXECUTES:
+        assert inductor_recorded.dtypes_of(EXECUTES[page.name]), f"{page.name}: {EXECUTES[page.name]} never ran"
 
 
 def test_every_page_is_in_the_site_navigation():

@@ -16,7 +16,7 @@ from amp_compiler.loss_head import MIN_VOCAB, chunk_rows, format_chain, head_sta
 
 aten = torch.ops.aten
 HEAD = torch.ops.amp.head_stats
-V, D = 4096, 32
+V, D = 8192, 32
 
 
 # -- the op ------------------------------------------------------------------------------
@@ -75,8 +75,8 @@ def test_op_refuses_a_target_outside_the_vocabulary():
 
 
 def test_chunk_rows_bound_a_chunk_of_fp32_logits():
-    assert chunk_rows(32768) * 32768 * 4 <= 32 * 2**20
-    assert chunk_rows(131072) == 64 and chunk_rows(32768, tokens=10) == 10
+    assert chunk_rows(32768) * 32768 * 4 <= 16 * 2**20
+    assert chunk_rows(131072) == 32 and chunk_rows(32768, tokens=10) == 10
 
 
 # -- the pass ----------------------------------------------------------------------------
@@ -183,17 +183,20 @@ FUSED = ["hf", "shifted", "sum_smoothed", "none", "nll", "token_logps", "tempera
 
 @pytest.mark.parametrize("loss", FUSED)
 def test_head_is_fused_trains_alike_and_saves_no_logits(loss):
-    """The fused op ran on 16-bit inputs, nothing of the logits' size was saved for backward,
+    """The fused op ran on 16-bit hidden states and the FP32 master weight (cast inside), nothing
+    of the logits' size (nor a 16-bit copy of the head's weight) was saved for backward,
     and loss and gradients are the unfused 16-bit head's (within BF16's rounding of both)."""
     torch.manual_seed(0)
     model = Decoder(loss, bias=loss == "temperature")
     plain = copy.deepcopy(model)
     backend, rec, (loss_fused,), saved = _run(model, "fused")
     _, rec_off, (loss_off,), saved_off = _run(plain, "off")
-    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.bfloat16]]
+    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.float32]]
     assert not rec_off.dtypes_of(HEAD)
     logits_size = 62 * V  # the shifted loss reads 62 of the 64 tokens
     assert max(t.numel() for t in saved) < logits_size <= max(t.numel() for t in saved_off)
+    copies = [[t for t in ts if t.shape == (V, D) and t.dtype == torch.bfloat16] for ts in (saved, saved_off)]
+    assert not copies[0] and copies[1]
     assert loss_fused.item() == pytest.approx(loss_off.item(), rel=2e-3)
     for p, q in zip(model.parameters(), plain.parameters()):
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
@@ -300,8 +303,8 @@ def test_plan_row_names_the_head_its_chunk_and_the_bytes():
     torch.manual_seed(0)
     backend, _, _, _ = _run(Decoder("hf"), "fused")
     (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
-    assert row.precision == "LOW" and row.compute_dtype == "bf16"
-    assert "64 tokens per chunk" in row.reason and "1.5 MiB of logits not kept" in row.reason
+    assert row.name.startswith("loss_head_") and row.precision == "LOW" and row.compute_dtype == "bf16"
+    assert "64 tokens per chunk" in row.reason and "3.0 MiB of logits not kept" in row.reason
     backend, _, _, _ = _run(Decoder("hf"), "exact")
     (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
     assert row.precision == "FP32" and "loss_head='exact'" in row.reason
@@ -318,6 +321,52 @@ def test_training_step_fuses_a_loss_given_beside_the_model(dtype):
     ids, labels = _batch()
     results = [step(ids, labels) for _ in range(6)]
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    assert rec.dtypes_of(HEAD) and all(d[:2] == [low, low] for d in rec.dtypes_of(HEAD))
+    assert rec.dtypes_of(HEAD) and all(d[:2] == [low, torch.float32] for d in rec.dtypes_of(HEAD))
     assert not any(r.skipped for r in results)
     assert results[-1].loss.item() < results[0].loss.item()
+
+
+def test_doctor_sees_the_fused_loss_beside_the_one_it_replaces():
+    """The side-by-side comparison under doctor and calibrate reads the fused head's loss
+    against the FP32 program's cross-entropy: one node, its own error."""
+    from amp_compiler.compare import run_side_by_side
+
+    torch.manual_seed(0)
+    run = run_side_by_side(Decoder("hf"), _batch(), {}, "bf16", None)
+    (loss,) = [n for n in run.nodes if n.name == "cross_entropy_loss"]
+    assert 0 < loss.rel_error < 1e-2 and not loss.nonfinite
+
+
+def test_hugging_face_causal_lm_with_labels_fuses_and_returns_its_logits():
+    """A transformers causal LM (ForCausalLMLoss: .float(), pad-and-shift, ignore_index=-100)
+    called with labels: the head is fused, the returned logits are the unfused graph's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    plain = copy.deepcopy(model)
+    ids, labels = _batch()
+
+    def run(m, mode):
+        rec = OpRecorder()
+        backend = AmpBackend(dtype="bf16", inner=recording_backend(rec), loss_head=mode)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend=backend)(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out, rec, Done(backend)
+
+    out, rec, done = run(model, "fused")
+    out_off, _, _ = run(plain, "off")
+    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.float32]]
+    assert done.fused[0]["logits_kept_for"]  # the model returns them
+    assert torch.equal(out.logits, out_off.logits)
+    assert out.loss.item() == pytest.approx(out_off.loss.item(), rel=2e-3)
+    assert cosine(model.lm_head.weight.grad.flatten(), plain.lm_head.weight.grad.flatten()) > 0.999

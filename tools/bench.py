@@ -11,6 +11,10 @@ Variants (each from the same initial weights, AdamW):
 Workloads: lm-explicit (decoder, matmul-softmax-matmul attention), lm-sdpa (decoder,
 scaled_dot_product_attention), encoder (nn.TransformerEncoder), encoder-dropout (the same
 at PyTorch's default dropout 0.1), cnn (conv + BatchNorm). Model code nobody here wrote,
+lm-head-32k and lm-head-128k (a 2-layer d=256 decoder over a real vocabulary, 4 x 512 tokens,
+the loss as Hugging Face writes it: where the loss head dominates memory; variants
+fp32-eager, autocast-inductor and make_train_step with the loss head unfused, fused and
+exact; not in the default list). Model code nobody here wrote,
 Hugging Face transformers built from configs of the same size (optional, not in the
 default list): hf-gpt2, hf-llama, hf-bert (GPT-2 and BERT at their default dropout 0.1),
 and decoders with other attention and MLP layouts, dropout off: hf-qwen2 (grouped KV
@@ -21,7 +25,10 @@ Metrics: median training-step and inference time over interleaved repetitions, f
 time (compile included, caches off, each variant into an empty kernel cache, after every
 variant has run once on a tiny model: no one-time process cost lands on one), activation
 bytes saved for backward (parameters excluded; 16-bit weight copies count), peak memory
-(CUDA), floating casts in the training graphs Inductor compiled (forward + backward), the
+of a training step above what was held before it (CUDA: the allocator's peak; CPU: the
+profiler's allocation events summed in time order), achieved matmul TFLOP/s of a step and
+its fraction of the 16-bit GEMM peak measured on this machine at the start of the run
+(the roofline column; workloads whose FLOPs are counted), floating casts in the training graphs Inductor compiled (forward + backward), the
 kernels Inductor generated for the first call (what it compiles, the same on every machine),
 loss and gradient error vs FP32 eager.
 
@@ -57,10 +64,14 @@ from amp_compiler.device import native_dtypes, resolve_dtype
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
 # run only when named: make_train_step under an explicit memory budget, which lets the
 # partitioner recast the 16-bit weight copies in backward instead of saving them
-EXTRA_VARIANTS = ("amp-step-lowmem",)
+EXTRA_VARIANTS = ("amp-step-lowmem", "amp-step-unfused", "amp-step-exact")
+# make_train_step's loss_head option per variant (unfused: the head as written)
+LOSS_HEAD = {"amp-step-unfused": "off", "amp-step-exact": "exact"}
 LOWMEM_BUDGET = 0.8
 LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
 WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "encoder-dropout", "cnn")
+HEAD_WORKLOADS = {"lm-head-32k": 32768, "lm-head-128k": 131072}  # vocabulary
+HEAD_VARIANTS = ("fp32-eager", "autocast-inductor", "amp-step-unfused", "amp-step", "amp-step-exact")
 HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert", "hf-qwen2", "hf-neox", "hf-opt", "hf-gemma", "hf-phi")
 # dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
 PEAK_TFLOPS = {
@@ -79,6 +90,7 @@ SIZES = {  # LM dimensions: d, layers, heads, batch, seq, vocab
     "gpt2-small": dict(d=768, layers=12, heads=12, batch=8, seq=1024, vocab=50304),
     "gpt2-medium": dict(d=1024, layers=24, heads=16, batch=4, seq=1024, vocab=50304),
 }
+HEAD_SIZE = dict(d=256, layers=2, heads=4, batch=4, seq=512)  # the loss-head workloads' model
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -164,6 +176,8 @@ def cls_loss(logits, targets):
 def build(workload: str, size: dict, device: str):
     """(model, inputs, targets, loss_fn, flops per training step or None)."""
     g = torch.Generator().manual_seed(0)
+    if workload in HEAD_WORKLOADS:
+        size = {**size, "vocab": HEAD_WORKLOADS[workload]}
     b, t, v = size["batch"], size["seq"], size["vocab"]
     if workload.startswith("lm"):
         model = LM(explicit=workload == "lm-explicit", **size)
@@ -354,9 +368,11 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     low = name in LOW_VARIANTS
     ac_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.bfloat16)
     autocast = (lambda: torch.autocast(device, dtype=ac_dtype)) if low else contextlib.nullcontext
-    if name in ("amp-step", "amp-step-lowmem"):
+    if name.startswith("amp-step"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         options = {"memory_budget": LOWMEM_BUDGET} if name == "amp-step-lowmem" else None
+        if name in LOSS_HEAD:
+            options = {"loss_head": LOSS_HEAD[name]}
         ts = make_train_step(model, opt, loss_fn, dtype=dtype, compile_options=options)
 
         def train(x, y, grab=None):
@@ -447,6 +463,49 @@ def saved_bytes(run, params, then=lambda result: result) -> int:
     return sum(seen.values())
 
 
+def step_peak_bytes(v: Variant, x, y, device: str) -> int:
+    """Peak memory of one training step above what was allocated before it. CUDA: the
+    caching allocator's peak. CPU: the profiler's allocation events (``profile_memory``;
+    Inductor's kernels allocate through the same allocator), summed in time order."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        v.step(x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        v.step(x, y)
+    allocations, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:  # every allocation and free (negative size) the CPU allocator reported
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocations.append((e.start_time_ns, e.extra_fields.alloc_size))
+    now = peak = 0
+    for _, size in sorted(allocations):
+        now += size
+        peak = max(peak, now)
+    return peak
+
+
+def gemm_peak_tflops(device: str, dtype: str) -> float:
+    """The best GEMM rate of this machine in ``dtype`` (TFLOP/s), the roofline's ceiling:
+    square GEMMs of a few sizes, best of three each."""
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    emulated = device == "cpu" and dt != torch.float32 and dtype not in native_dtypes(torch.device("cpu"))[0]
+    best = 0.0
+    for n in (256, 512) if emulated else (1024, 2048, 4096):
+        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+        a @ b
+        for _ in range(3):
+            best = max(best, 2 * n**3 / timed(lambda: a @ b, device) / 1e12)
+    return best
+
+
 def saved_activation_bytes(v: Variant, x, y) -> int:
     """Bytes saved for backward by one forward and loss of a variant, computed as its step does."""
     n = saved_bytes(lambda: v.loss(x, y), v.model.parameters())
@@ -494,7 +553,7 @@ def warm_up(workload, dtype, device, variants) -> None:
                 v.step(x, y)
 
 
-def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> dict:
+def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak_tflops=None) -> dict:
     base, x, y, loss_fn, flops = build(workload, size, device)
     base.to(device)
     vs, counter = [], CastCounter()
@@ -514,8 +573,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
                 # cores the compiler's time, and unlike seconds the same on every machine
                 v.result["kernels"] = inductor_metrics.generated_kernel_count - kernels if v.compiled else None
             v.step(x, y)
-            if device == "cuda":
-                v.result["peak_bytes"] = torch.cuda.max_memory_allocated()
+            v.result["peak_bytes"] = step_peak_bytes(v, x, y, device)
             v.result["saved_bytes"] = saved_activation_bytes(v, x, y)
             counter.current = None  # casts are counted in the training graphs only
             with torch.no_grad():
@@ -545,8 +603,12 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log) -> d
         if v.backend is not None:
             s = v.backend.plan().summary()
             r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
-        if flops and device == "cuda":
+        if flops:
             r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
+            # FP32 variants against the FP32 GEMM peak, the others against the 16-bit one
+            ceiling = (peak_tflops or {}).get("fp32" if v.name.startswith("fp32") else dtype)
+            r["roofline"] = r["tflops"] / ceiling if ceiling else None
+        if flops and device == "cuda":
             peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
             r["mfu"] = r["tflops"] / peak if peak else None
     errors_vs_fp32(base, x, y, loss_fn, vs)
@@ -592,6 +654,7 @@ COLUMNS = (
     "paired",
     "infer ms",
     "saved MiB",
+    "peak MiB",
     "first call s",
     "casts",
     "grad cos",
@@ -632,12 +695,21 @@ def rows(workload: dict) -> list[tuple[str, ...]]:
                 paired,
                 f"{r['infer_ms']:.1f}",
                 f"{r['saved_bytes'] / 2**20:.1f}",
+                f"{r['peak_bytes'] / 2**20:.1f}" if r.get("peak_bytes") is not None else "-",
                 f"{r['first_call_s']:.1f}",
                 "-" if r["casts"] is None else str(r["casts"]),
                 f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-",
             )
             + (("-" if r.get("kernels") is None else str(r["kernels"]),) if kernels else ())
-            + ((f"{r['tflops']:.1f}", "-" if r.get("mfu") is None else f"{r['mfu']:.1%}") if "tflops" in r else ())
+            + (
+                (
+                    f"{r['tflops']:.3g}",
+                    "-" if r.get("roofline") is None else f"{r['roofline']:.1%}",
+                    "-" if r.get("mfu") is None else f"{r['mfu']:.1%}",
+                )
+                if "tflops" in r
+                else ()
+            )
         )
     return out
 
@@ -656,7 +728,7 @@ def markdown(results: dict) -> str:
     ]
     for name, w in results["workloads"].items():
         extra = (("kernels",) if _has_kernels(w) else ()) + (
-            ("TFLOP/s", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
+            ("TFLOP/s", "of GEMM peak", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
         )
         base = "fp32-inductor" if baseline(w) == "fp32-inductor" else "autocast+inductor"
         head = ("variant",) + tuple(c.format(base=base) for c in COLUMNS) + extra
@@ -704,8 +776,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--workloads",
         default=None,
-        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all) and {','.join(HF_WORKLOADS)} (transformers)",
+        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all), {','.join(HEAD_WORKLOADS)} "
+        f"(the loss head) and {','.join(HF_WORKLOADS)} (transformers)",
     )
+    p.add_argument("--batch", type=int, help="batch size instead of the size's (loss-head workloads: 4)")
+    p.add_argument("--seq", type=int, help="sequence length instead of the size's (loss-head workloads: 512)")
     p.add_argument(
         "--variants",
         default=None,
@@ -730,8 +805,15 @@ def main(argv=None) -> int:
         if a.workloads
         else (["lm-sdpa", "lm-explicit"] if a.device == "cuda" else list(WORKLOADS))
     )
-    variants = a.variants.split(",") if a.variants else list(VARIANTS)
-    for bad in set(workloads) - set(WORKLOADS + HF_WORKLOADS) | set(variants) - set(VARIANTS + EXTRA_VARIANTS):
+    heads = [w for w in workloads if w in HEAD_WORKLOADS]
+    if heads and len(heads) != len(workloads):
+        p.error("run the loss-head workloads on their own (their model size is their own)")
+    if heads:
+        size = {**HEAD_SIZE, "vocab": 0} if a.size is None else size
+    size = {**size, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})}
+    variants = a.variants.split(",") if a.variants else list(HEAD_VARIANTS if heads else VARIANTS)
+    all_workloads = set(WORKLOADS + HF_WORKLOADS) | set(HEAD_WORKLOADS)
+    for bad in set(workloads) - all_workloads | set(variants) - set(VARIANTS + EXTRA_VARIANTS):
         p.error(f"unknown workload or variant {bad!r}")
     dtype, reason = resolve_dtype(a.dtype, torch.device(a.device))
     if dtype == "fp32":
@@ -743,6 +825,9 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = {"machine": machine(a.device, dtype, reason), "workloads": {}}
+    peak = {d: gemm_peak_tflops(a.device, d) for d in {dtype, "fp32"}}
+    results["machine"]["gemm_peak_tflops"] = peak
+    log("GEMM peak measured here (TFLOP/s): " + ", ".join(f"{d} {t:.3g}" for d, t in peak.items()))
     # A fresh kernel cache for the run (each variant's first call gets its own inside it):
     # compiled C++/Triton kernels of an earlier run would hide the first-call cost (the FX
     # and AOT caches are switched off per variant as well).
@@ -750,11 +835,11 @@ def main(argv=None) -> int:
     run_cache = tempfile.mkdtemp(prefix="amp-bench-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = run_cache
     try:
-        if size != SIZES["tiny"]:  # a tiny run is a smoke test: it would warm up on itself
+        if size != SIZES["tiny"] and not heads:  # a tiny run is a smoke test: it would warm up on itself
             log("warming up (one-time costs of the process)")
             warm_up(workloads[0], dtype, a.device, variants)
         for w in workloads:
-            results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log)
+            results["workloads"][w] = run_workload(w, size, dtype, a.device, a.reps, a.steps, variants, log, peak)
             if a.json:  # a long run keeps what it has measured so far
                 write_text(a.json, json.dumps(results, indent=1))
     finally:

@@ -32,6 +32,7 @@ LAYERS = [
             "meta",
             "hops",
             "fused_layers",
+            "loss_head",
             "device",
             "atomic",
             "policy_file",
