@@ -173,6 +173,14 @@ class AmpOptions:
         except (ValueError, TypeError) as e:
             raise AmpOptionsError(str(e)) from None
 
+    def __getstate__(self) -> dict:
+        # the policy cache holds torch ops, which do not pickle: a spawned process (Lightning's
+        # ddp_spawn, torch.multiprocessing) rebuilds it on first use
+        return {**self.__dict__, "policy_cache": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def policy(self, low_dtype: torch.dtype) -> Policy:
         if low_dtype not in self.policy_cache:
             self.policy_cache[low_dtype] = Policy.build(

@@ -265,7 +265,8 @@ class _Fusion:
                 torch.ops.amp.head_stats.default,
                 [x, w, b, target, format_chain(chain), ignore, rows, exact, bool(smoothing)],
                 f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
-                f"{rows} tokens per chunk, recomputed per chunk in backward, the weight's gradient accumulated in FP32; "
+                f"{rows} tokens per chunk, recomputed per chunk in backward, the weight's gradient "
+                f"accumulated in FP32; "
                 f"{_saved(tokens, vocab, low)} of logits not kept for backward",
                 Precision.FP32 if exact else Precision.LOW,
             )

@@ -131,3 +131,61 @@ def test_kto_trains_with_its_reference_under_the_plan(tmp_path):
     assert math.isfinite(first["loss"]) and abs(first["rewards/margins"]) <= 1e-6
     assert callback.forwards == ["model", "ref_model"]
     assert all(p.dtype == torch.float32 for p in policy.parameters())
+
+
+def test_orpo_trains_under_the_plan(tmp_path):
+    """ORPOConfig()'s defaults (TRL's experimental ORPO: odds-ratio preference, no reference)
+    plus the callback: the policy's matmuls ran in BF16, the loss is finite and falls."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's "experimental API" warning
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    rec = OpRecorder()
+    policy = llama()
+    callback = AmpCallback(inner=recording_backend(rec))
+    config = ORPOConfig(**common(tmp_path, steps=4), learning_rate=2e-3)
+    g = torch.Generator().manual_seed(3)
+    trainer = ORPOTrainer(
+        model=policy, args=config, train_dataset=datasets.Dataset.from_dict(preferences(g)),
+        processing_class=tokenizer(), callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    matmuls = rec.dtypes_of(*MATMULS)
+    assert matmuls and all(d[0] == torch.bfloat16 for d in matmuls)
+    assert callback.forwards == ["model"]
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+
+
+# a chat template with the {% generation %} markers assistant_only_loss reads
+CHAT = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<s> {% generation %}{{ m['content'] }} </s>"
+    "{% endgeneration %}{% else %}<s> {{ m['content'] }} </s>{% endif %}{% endfor %}"
+)
+
+
+def test_sft_assistant_only_loss_trains_under_the_plan(tmp_path):
+    """SFTConfig(assistant_only_loss=True) on conversations: only the assistant's tokens are
+    trained on (the mask TRL builds from the chat template), every matmul in BF16."""
+    rec = OpRecorder()
+    callback = AmpCallback(inner=recording_backend(rec))
+    tok = tokenizer()
+    tok.chat_template = CHAT
+    g = torch.Generator().manual_seed(4)
+    ds = datasets.Dataset.from_dict(
+        {"messages": [[{"role": "user", "content": words(g, 6)}, {"role": "assistant", "content": words(g, 6)}]
+                      for _ in range(8)]}
+    )  # fmt: skip
+    config = SFTConfig(**common(tmp_path, steps=6), learning_rate=2e-3, assistant_only_loss=True)
+    trainer = SFTTrainer(model=llama(), args=config, train_dataset=ds, processing_class=tok, callbacks=[callback])
+    labels = next(iter(trainer.get_train_dataloader()))["labels"]
+    trained = labels != -100
+    # the assistant's 6 words and its </s>, not the user's turn (6 words, <s>, </s>) before it
+    assert trained.sum(1).tolist() == [7] * len(labels), trained.sum(1)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+    matmuls = rec.dtypes_of(*MATMULS)
+    assert matmuls and all(d[0] == torch.bfloat16 for d in matmuls)

@@ -28,7 +28,8 @@ bytes saved for backward (parameters excluded; 16-bit weight copies count), peak
 of a training step above what was held before it (CUDA: the allocator's peak; CPU: the
 profiler's allocation events summed in time order), achieved matmul TFLOP/s of a step and
 its fraction of the 16-bit GEMM peak measured on this machine at the start of the run
-(the roofline column; workloads whose FLOPs are counted), floating casts in the training graphs Inductor compiled (forward + backward), the
+(the roofline column; workloads whose FLOPs are counted), floating casts in the training
+graphs Inductor compiled (forward + backward), the
 kernels Inductor generated for the first call (what it compiles, the same on every machine),
 loss and gradient error vs FP32 eager.
 
@@ -502,7 +503,7 @@ def gemm_peak_tflops(device: str, dtype: str) -> float:
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
         a @ b
         for _ in range(3):
-            best = max(best, 2 * n**3 / timed(lambda: a @ b, device) / 1e12)
+            best = max(best, 2 * n**3 / timed(lambda a=a, b=b: a @ b, device) / 1e12)
     return best
 
 
