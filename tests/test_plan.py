@@ -79,6 +79,7 @@ def test_backend_records_each_graph():
         "place_flexible",
         "insert_casts",
         "fold_casts",
+        "fuse_loss_head",
         "verify_plan",
     ]
     assert isinstance(rec.graph, torch.fx.GraphModule)

@@ -2,6 +2,11 @@
 same batches; final validation loss, skipped steps and FP16's loss-scale history.
 
     python tools/convergence.py --steps 300 --json bench/convergence.json
+    python tools/convergence.py --dtypes fp32 --fp32-orders 3    # FP32's own spread
+
+The 16-bit runs' distance to FP32 means something only beside FP32's own run-to-run spread:
+``--fp32-orders N`` trains FP32 again on N other batch orders (same weights) and reports
+how far their validation losses lie from the first.
 
 The corpus is Python's own reference documentation (``pydoc_data.topics``, shipped with
 Python), tokenized by words (examples/common.py). Each dtype runs ``make_train_step``;
@@ -24,12 +29,12 @@ from common import corpus, llama, token_blocks, tokenizer  # noqa: E402
 import amp_compiler  # noqa: E402
 
 
-def run(steps: int, dtypes: list[str], batch: int = 16, seq: int = 64, inner: str = "inductor") -> dict:
+def run(steps: int, dtypes: list[str], batch: int = 16, seq: int = 64, inner: str = "inductor", order: int = 0) -> dict:
     sentences = corpus()
     tok = tokenizer(sentences)
     data = token_blocks(sentences, tok, seq)
     train, val = data[:-64], data[-64:]
-    order = torch.randint(0, len(train), (steps, batch), generator=torch.Generator().manual_seed(0))
+    batches = torch.randint(0, len(train), (steps, batch), generator=torch.Generator().manual_seed(order))
     model = llama(vocab=len(tok))
     out = {"steps": steps, "batch": batch, "seq": seq, "runs": {}}
     for dtype in dtypes:
@@ -39,7 +44,7 @@ def run(steps: int, dtypes: list[str], batch: int = 16, seq: int = 64, inner: st
             m, opt, lambda o: o.loss, dtype=dtype, max_grad_norm=1.0, compile_options={"inner": inner}
         )
         scales, losses = [], []
-        for batch_ids in order:
+        for batch_ids in batches:
             x = train[batch_ids]
             r = step({"input_ids": x, "labels": x})
             losses.append(r.loss.item())
@@ -60,9 +65,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--dtypes", default="fp32,bf16,fp16")
     p.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--fp32-orders", type=int, default=0, help="FP32 again on this many other batch orders")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     out = run(args.steps, args.dtypes.split(","), inner=args.inner)
+    if args.fp32_orders:
+        if "fp32" not in out["runs"]:
+            out["runs"].update(run(args.steps, ["fp32"], inner=args.inner)["runs"])
+        ref = out["runs"]["fp32"]["val_loss"]
+        others = [
+            run(args.steps, ["fp32"], inner=args.inner, order=k)["runs"]["fp32"]["val_loss"]
+            for k in range(1, args.fp32_orders + 1)
+        ]
+        out["fp32_orders"] = {"val_losses": others, "vs_first": [v / ref - 1 for v in others]}
+        spread = ", ".join(f"{d * 100:+.3f}%" for d in out["fp32_orders"]["vs_first"])
+        print(f"fp32 on {args.fp32_orders} other batch orders: validation loss {spread} vs the first")
     for dtype, r in out["runs"].items():
         vs = "" if r["vs_fp32"] is None else f" ({r['vs_fp32'] * 100:+.3f}% vs FP32)"
         scale = ""
