@@ -1,19 +1,20 @@
-"""The fused loss head: per-token statistics of ``softmax(chain(h @ w.T + b))`` in chunks.
+"""The fused loss head: per-token statistics of ``softmax(chain(h @ w.T + b))``, in blocks.
 
 A language model's loss reads three numbers per token of its logits: the target's
 logit, the log-sum-exp and (label smoothing only) the sum over the vocabulary. One
-opaque op, ``amp::head_stats``, computes them over chunks of tokens, so the logits
-(tokens x vocabulary, the largest activation of the model) exist one chunk at a time
-and are never saved: backward recomputes each chunk's logits from ``h`` and ``w``.
-What the loss does with the three numbers (ignore_index, smoothing, reduction) stays
-ordinary graph ops that the compiler sees.
+opaque op, ``amp::head_stats``, computes them block by block (a block: up to
+``MAX_ROWS`` tokens x as many vocabulary entries as make ``BLOCK_ELEMENTS`` logits), the
+log-sum-exp online across a row's vocabulary blocks. The logits (tokens x vocabulary,
+the largest activation of the model) exist one block at a time and are never saved:
+backward recomputes each block from ``h`` and ``w`` and writes that block's rows of the
+weight's gradient, a GEMM over all the tokens. What the loss does with the three numbers
+(ignore_index, smoothing, reduction) stays ordinary graph ops that the compiler sees.
 
 Precision: the projection runs in ``h``'s dtype (16 bit, FP32 accumulation; its output
 rounded to 16 bit as the unfused 16-bit head rounds it, except on CUDA where the GEMM
 writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w`` is the
-FP32 master weight, cast per call: no 16-bit copy of it is kept for backward, and its
-gradient is accumulated over the chunks in FP32 and returned as such. ``exact``: the
-projection in FP32.
+FP32 master weight, cast a block at a time: no 16-bit copy of it is kept, and its gradient
+is returned in FP32. ``exact``: the projection in FP32.
 """
 
 from __future__ import annotations
@@ -22,17 +23,22 @@ import functools
 
 import torch
 
-# Rows per chunk: a chunk's FP32 logits hold about this many elements (16 MiB); backward
-# holds about 2.5 such buffers at once
-CHUNK_ELEMENTS = 1 << 22
-MIN_ROWS = 16
+# Logits per block (16 MiB in FP32); backward holds about three such buffers at once
+BLOCK_ELEMENTS = 1 << 22
+# Tokens per block at most: the weight's gradient is a GEMM over this many tokens
+MAX_ROWS = 8192
+MIN_COLS = 256
 # Below this many classes the logits are small beside the model's other activations
 MIN_VOCAB = 8192
 
 
-def chunk_rows(vocab: int, tokens: int | None = None) -> int:
-    rows = max(MIN_ROWS, CHUNK_ELEMENTS // max(int(vocab), 1))
-    return rows if tokens is None else max(1, min(rows, int(tokens)))
+def block_shape(tokens: int | None, vocab: int) -> tuple[int | None, int | None]:
+    """(tokens, vocabulary entries) of a block; None where ``tokens`` is not known."""
+    if tokens is None:
+        return None, None
+    rows = max(1, min(int(tokens), MAX_ROWS))
+    cols = max(MIN_COLS, BLOCK_ELEMENTS // rows)
+    return rows, min(cols, int(vocab))
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,10 +63,11 @@ _FP32_OUT_MM: dict[str, bool] = {}
 
 
 def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool) -> torch.Tensor:
-    """``h @ w.T + b`` as FP32 logits; ``w`` and ``b`` already in the projection's dtype."""
+    """``h @ w.T + b`` as FP32 logits, ``w`` and ``b`` (a block of them) cast here."""
     if exact:
-        z = h.float() @ w.t()
+        z = h.float() @ w.float().t()
         return z if b is None else z.add_(b)
+    w = w.to(h.dtype)
     kind = h.device.type
     if kind != "cpu" and _FP32_OUT_MM.get(kind, True):
         try:  # the GEMM writes its FP32 accumulator: the logits are never rounded to 16 bit
@@ -69,12 +76,7 @@ def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bo
             return z if b is None else z.add_(b)
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUT_MM[kind] = False
-    return (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
-
-
-def _operands(h, w, b, exact):
-    dtype = torch.float32 if exact else h.dtype
-    return w.to(dtype), None if b is None else b.to(dtype)
+    return (h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())).float()
 
 
 def _chain_forward(z: torch.Tensor, chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -97,6 +99,19 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch
     return valid
 
 
+def _blocks(n: int, vocab: int):
+    """(token rows, vocabulary columns) of every block, rows outermost."""
+    rows, cols = block_shape(n, vocab)
+    for r in range(0, n, rows):
+        yield slice(r, min(r + rows, n)), [slice(c, min(c + cols, vocab)) for c in range(0, vocab, cols)]
+
+
+def _in_block(target: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each row's target falls in ``cols``, and its column there (clamped if not)."""
+    inside = (target >= cols.start) & (target < cols.stop)
+    return inside, (target - cols.start).clamp_(0, cols.stop - cols.start - 1)[:, None]
+
+
 @torch.library.custom_op("amp::head_stats", mutates_args=())
 def head_stats(
     h: torch.Tensor,
@@ -105,32 +120,35 @@ def head_stats(
     target: torch.Tensor,
     chain: str,
     ignore_index: int,
-    chunk: int,
     exact: bool,
     with_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(target logit, log-sum-exp, sum of logits) per row of ``h`` [N, d], all FP32."""
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
-    valid = _check_targets(target, vocab, ignore_index)
-    safe = torch.where(valid, target, 0)
-    wc, bc = _operands(h, w, b, exact)
-    picked = h.new_empty(n, dtype=torch.float32)
+    safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
+    picked = h.new_zeros(n, dtype=torch.float32)
     lse = h.new_empty(n, dtype=torch.float32)
     total = h.new_zeros(n, dtype=torch.float32)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        z, _ = _chain_forward(_project(h[rows], wc, bc, exact), steps)
-        picked[rows] = z.gather(1, safe[rows, None]).squeeze(1)
-        if with_sum:
-            total[rows] = z.sum(1)
-        top = z.amax(1, keepdim=True)  # log-sum-exp in place: no second chunk-sized buffer
-        lse[rows] = z.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
+    for rows, col_blocks in _blocks(n, vocab):
+        top = h.new_full((rows.stop - rows.start,), float("-inf"), dtype=torch.float32)
+        sum_exp = torch.zeros_like(top)
+        for cols in col_blocks:
+            z, _ = _chain_forward(_project(h[rows], w[cols], None if b is None else b[cols], exact), steps)
+            inside, at = _in_block(safe[rows], cols)
+            picked[rows] = torch.where(inside, z.gather(1, at).squeeze(1), picked[rows])
+            if with_sum:
+                total[rows] += z.sum(1)
+            # log-sum-exp online over the row's vocabulary blocks, in place on the block
+            new_top = torch.maximum(top, z.amax(1))
+            sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).exp_().sum(1))
+            top = new_top
+        lse[rows] = sum_exp.log_().add_(top)
     return picked, lse, total
 
 
 @head_stats.register_fake
-def _(h, w, b, target, chain, ignore_index, chunk, exact, with_sum):
+def _(h, w, b, target, chain, ignore_index, exact, with_sum):
     n = h.shape[0]
     return tuple(h.new_empty(n, dtype=torch.float32) for _ in range(3))
 
@@ -147,50 +165,53 @@ def head_stats_backward(
     lse: torch.Tensor,
     chain: str,
     ignore_index: int,
-    chunk: int,
     exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for h, w and b (an empty tensor without bias), logits recomputed per chunk."""
+    """Gradients for h, w and b (an empty tensor without bias), logits recomputed per block."""
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
     g_picked = g_picked * valid
-    wc, bc = _operands(h, w, b, exact)
+    grad_dtype = torch.float32 if exact else h.dtype
     dh = torch.empty_like(h)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # accumulated in FP32
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
+    for rows, col_blocks in _blocks(n, vocab):
         hc = h[rows].float() if exact else h[rows]
-        z, tanhs = _chain_forward(_project(hc, wc, bc, exact), steps)
-        dz = z.sub_(lse[rows, None]).exp_().mul_(g_lse[rows, None])  # softmax x dL/dlse
-        dz.add_(g_total[rows, None])
-        dz.scatter_add_(1, safe[rows, None], g_picked[rows, None])
-        for kind, value in reversed(steps):
-            if kind == "m":
-                dz.mul_(value)
-            else:
-                y = tanhs.pop()
-                dz.mul_(1 - y * y)
-        if b is not None:
-            db += dz.sum(0)
-        dl = dz if exact else dz.to(h.dtype)
-        del z, dz
-        dh[rows] = (dl @ wc).to(h.dtype)
-        dw.add_(dl.t() @ hc)
+        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
+        for cols in col_blocks:
+            wc = w[cols].to(grad_dtype)
+            z, tanhs = _chain_forward(_project(hc, wc, None if b is None else b[cols], exact), steps)
+            dz = z.sub_(lse[rows, None]).exp_().mul_(g_lse[rows, None])  # softmax x dL/dlse
+            dz.add_(g_total[rows, None])
+            inside, at = _in_block(safe[rows], cols)
+            dz.scatter_add_(1, at, (g_picked[rows] * inside)[:, None])
+            for kind, value in reversed(steps):
+                if kind == "m":
+                    dz.mul_(value)
+                else:
+                    y = tanhs.pop()
+                    dz.mul_(1 - y * y)
+            if b is not None:
+                db[cols] += dz.sum(0)
+            dl = dz if exact else dz.to(grad_dtype)
+            del z, dz
+            dh_rows.add_(dl @ wc)
+            dw[cols] += dl.t() @ hc  # this block's rows of the gradient, over these tokens
+        dh[rows] = dh_rows
     return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 
 @head_stats_backward.register_fake
-def _(g_picked, g_lse, g_total, h, w, b, target, lse, chain, ignore_index, chunk, exact):
+def _(g_picked, g_lse, g_total, h, w, b, target, lse, chain, ignore_index, exact):
     return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    h, w, b, target, chain, ignore_index, chunk, exact, _ = inputs
+    h, w, b, target, chain, ignore_index, exact, _ = inputs
     ctx.save_for_backward(h, w, b, target, output[1])
-    ctx.args = (chain, ignore_index, chunk, exact)
+    ctx.args = (chain, ignore_index, exact)
     ctx.has_bias = b is not None
 
 
@@ -208,7 +229,7 @@ def _backward(ctx, g_picked, g_lse, g_total):
         lse,
         *ctx.args,
     )
-    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None
+    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None
 
 
 head_stats.register_autograd(_backward, setup_context=_setup_context)

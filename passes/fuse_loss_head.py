@@ -22,7 +22,7 @@ import operator
 
 import torch
 
-from amp_compiler.loss_head import MIN_VOCAB, chunk_rows, format_chain
+from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain
 from amp_compiler.meta import NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
@@ -239,7 +239,8 @@ class _Fusion:
         low = _val(h).dtype
         dims = _val(self.logits).shape[:-1]  # Size.numel() would specialise symbolic sizes
         tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
-        rows = chunk_rows(vocab, tokens)
+        rows, cols = block_shape(tokens, vocab)
+        blocks = f"blocks of {rows} tokens x {cols} vocabulary entries" if rows else "blocks of 4M logits"
         with self.graph.inserting_before(self.node):
             x = h
             for op in row_ops:  # the views the logits went through, on h
@@ -263,10 +264,9 @@ class _Fusion:
             )
             stats = self._emit(
                 torch.ops.amp.head_stats.default,
-                [x, w, b, target, format_chain(chain), ignore, rows, exact, bool(smoothing)],
+                [x, w, b, target, format_chain(chain), ignore, exact, bool(smoothing)],
                 f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
-                f"{rows} tokens per chunk, recomputed per chunk in backward, the weight's gradient "
-                f"accumulated in FP32; "
+                f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
                 f"{_saved(tokens, vocab, low)} of logits not kept for backward",
                 Precision.FP32 if exact else Precision.LOW,
             )
@@ -293,7 +293,7 @@ class _Fusion:
             "kind": self.kind,
             "node": stats.name,
             "vocab": vocab,
-            "chunk": rows,
+            "block": (rows, cols),
             "exact": exact,
             "logits_kept_for": kept,
             "saved_bytes": _saved_bytes(tokens, vocab, low),

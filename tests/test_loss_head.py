@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers import OpRecorder, cosine, recording_backend
 
 from amp_compiler import AmpBackend, make_train_step
-from amp_compiler.loss_head import MIN_VOCAB, chunk_rows, format_chain, head_stats
+from amp_compiler import loss_head
+from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain, head_stats
 
 aten = torch.ops.aten
 HEAD = torch.ops.amp.head_stats
@@ -36,11 +37,21 @@ def _from_stats(stats, t, vocab, ignore=-100, smoothing=0.0):
     return torch.where(valid, nll, 0.0).sum() / valid.sum()
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 10 tokens x 8 vocabulary entries: uneven blocks both ways, the log-sum-exp
+    carried across a row's vocabulary blocks."""
+    monkeypatch.setattr(loss_head, "BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(loss_head, "MAX_ROWS", 10)
+    monkeypatch.setattr(loss_head, "MIN_COLS", 8)
+    assert block_shape(37, 53) == (10, 8)
+
+
 @pytest.mark.parametrize("chain", [[], [("m", 1 / 0.7)], [("m", 1 / 30), ("t", 0.0), ("m", 30.0)]])
 @pytest.mark.parametrize("bias", [False, True])
-def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias):
-    """In FP64 (exact) the op's loss and gradients are the unfused head's, over uneven chunks
-    and with ignored targets and label smoothing."""
+def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias, small_blocks):
+    """In FP64 (exact) the op's loss and gradients are the unfused head's, over uneven blocks
+    of tokens and vocabulary, with ignored targets and label smoothing."""
     g = torch.Generator().manual_seed(0)
     n, d, vocab = 37, 8, 53
     h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -51,7 +62,7 @@ def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias):
     leaves = [x for x in (h, w, b) if x is not None]
     ref = _reference(h, w, b, t, chain, smoothing=0.1)
     ref_grads = torch.autograd.grad(ref, leaves)
-    stats = HEAD(h, w, b, t, format_chain(chain), -100, 6, True, True)
+    stats = HEAD(h, w, b, t, format_chain(chain), -100, True, True)
     loss = _from_stats(stats, t, vocab, smoothing=0.1)
     grads = torch.autograd.grad(loss, leaves)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
@@ -65,18 +76,20 @@ def test_op_registration_holds():
     h = torch.randn(12, 8, generator=g, requires_grad=True)
     w = torch.randn(64, 8, generator=g, requires_grad=True)
     t = torch.randint(0, 64, (12,), generator=g)
-    torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, 5, False, True))
+    torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, False, True))
 
 
 def test_op_refuses_a_target_outside_the_vocabulary():
     h, w = torch.randn(4, 8), torch.randn(16, 8)
     with pytest.raises(IndexError, match="Target 16 is out of bounds"):
-        HEAD(h, w, None, torch.tensor([0, 1, 16, -100]), "", -100, 2, False, False)
+        HEAD(h, w, None, torch.tensor([0, 1, 16, -100]), "", -100, False, False)
 
 
-def test_chunk_rows_bound_a_chunk_of_fp32_logits():
-    assert chunk_rows(32768) * 32768 * 4 <= 16 * 2**20
-    assert chunk_rows(131072) == 32 and chunk_rows(32768, tokens=10) == 10
+def test_a_block_holds_16_mib_of_fp32_logits():
+    assert block_shape(2048, 131072) == (2048, 2048) and block_shape(64, 8192) == (64, 8192)
+    assert block_shape(65536, 32768) == (8192, 512) and block_shape(None, 32768) == (None, None)
+    rows, cols = block_shape(4096, 50304)
+    assert rows * cols * 4 <= 16 * 2**20
 
 
 # -- the pass ----------------------------------------------------------------------------
@@ -206,7 +219,7 @@ def test_head_is_fused_trains_alike_and_saves_no_logits(loss):
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
     (head,) = _fused(backend)
     tokens = 62 if loss == "shifted" else 64
-    assert head["chunk"] == tokens and head["saved_bytes"] == tokens * V * 6
+    assert head["block"] == (tokens, V) and head["saved_bytes"] == tokens * V * 6
 
 
 def test_exact_head_matches_fp64_and_default_is_no_worse_than_16_bit():
@@ -303,12 +316,13 @@ def test_dynamic_sequence_lengths_compile_once():
     assert done.fused[-1]["saved_bytes"] is None
 
 
-def test_plan_row_names_the_head_its_chunk_and_the_bytes():
+def test_plan_row_names_the_head_its_blocks_and_the_bytes():
     torch.manual_seed(0)
     backend, _, _, _ = _run(Decoder("hf"), "fused")
     (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
     assert row.name.startswith("loss_head_") and row.precision == "LOW" and row.compute_dtype == "bf16"
-    assert "64 tokens per chunk" in row.reason and "3.0 MiB of logits not kept" in row.reason
+    assert "blocks of 64 tokens x 8192 vocabulary entries" in row.reason
+    assert "3.0 MiB of logits not kept" in row.reason
     backend, _, _, _ = _run(Decoder("hf"), "exact")
     (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
     assert row.precision == "FP32" and "loss_head='exact'" in row.reason
@@ -390,3 +404,19 @@ def test_training_curve_is_the_unfused_heads():
     fused, off = curve("fused"), curve("off")
     assert off[-1] < 0.9 * off[0]
     assert all(abs(a - b) <= 1e-3 * b for a, b in zip(fused, off)), max(abs(a - b) / b for a, b in zip(fused, off))
+
+
+def test_blocks_of_tokens_and_vocabulary_in_a_compiled_step(monkeypatch):
+    """The same head through the backend over 3 x 4 blocks (24 tokens x 2048 entries): the
+    loss is that of one block, the gradients too up to BF16 rounding of the partial GEMMs."""
+    torch.manual_seed(0)
+    model = Decoder("hf")
+    blocked = copy.deepcopy(model)
+    _, _, (one,), _ = _run(model, "fused")
+    monkeypatch.setattr(loss_head, "MAX_ROWS", 24)
+    monkeypatch.setattr(loss_head, "BLOCK_ELEMENTS", 24 * 2048)
+    done, _, (many,), _ = _run(blocked, "fused")
+    assert done.fused[0]["block"] == (24, 2048)
+    assert many.item() == pytest.approx(one.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), blocked.parameters()):
+        assert (p.grad - q.grad).norm() <= 1e-2 * q.grad.norm()
