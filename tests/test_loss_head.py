@@ -11,8 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import OpRecorder, cosine, recording_backend
 
-from amp_compiler import AmpBackend, make_train_step
-from amp_compiler import loss_head
+from amp_compiler import AmpBackend, loss_head, make_train_step
 from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain, head_stats
 
 aten = torch.ops.aten
