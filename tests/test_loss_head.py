@@ -419,3 +419,12 @@ def test_blocks_of_tokens_and_vocabulary_in_a_compiled_step(monkeypatch):
     assert many.item() == pytest.approx(one.item(), rel=1e-5)
     for p, q in zip(model.parameters(), blocked.parameters()):
         assert (p.grad - q.grad).norm() <= 1e-2 * q.grad.norm()
+
+
+def test_onnx_export_leaves_the_head_as_written():
+    """No ONNX runtime has amp::head_stats: the export's plan keeps the head's own ops."""
+    from amp_compiler.onnx_export.program import planned_program
+
+    ep, _, _ = planned_program(Decoder("hf").eval(), BATCH, {}, "bf16", "cpu", None, None, False)
+    targets = {n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+    assert HEAD.default not in targets and aten.cross_entropy_loss.default in targets
