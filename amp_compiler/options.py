@@ -79,10 +79,10 @@ class AmpOptions:
         the fused kernel cannot give its gradient.
     loss_head: the language-model loss head (vocabulary projection into
         cross-entropy, or log_softmax + gather of target log-probs). "fused"
-        (default): one op computes each token's log-sum-exp and target logit over
-        chunks of tokens, the projection in the low dtype and the rest in FP32; the
-        logits are never stored for backward (recomputed per chunk) nor made FP32 as
-        a whole. "exact": the same with the projection in FP32 (log-probs within
+        (default): one op computes each token's log-sum-exp and target logit in
+        blocks of tokens x vocabulary, the projection in the low dtype and the rest in
+        FP32; the logits are never stored for backward (recomputed per block) nor made
+        FP32 as a whole. "exact": the same with the projection in FP32 (log-probs within
         1e-3 nats of FP64). "off": the head runs as written. A head that cannot
         be fused stays as written, with the reason in the plan; logits the graph
         also returns or uses elsewhere are kept as written.
