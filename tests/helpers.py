@@ -46,32 +46,33 @@ class OpRecorder(TorchDispatchMode):
         return [d for p, d in self.calls if p in packets]
 
 
-def recording_backend(recorder: OpRecorder, graphs: list | None = None, partition_fn=None):
-    """aot_eager, with forward and backward executed under ``recorder``.
+class RecordingBackend:
+    """aot_eager, with forward and backward executed under ``recorder``; picklable, so a
+    spawned rank (Lightning's ddp_spawn) records into its own copy. ``graphs`` keeps the
+    graphs the amp backend handed over; ``partition_fn`` replaces AOTAutograd's partitioner."""
 
-    Also keeps the graphs the amp backend handed over in ``graphs``;
-    ``partition_fn`` replaces AOTAutograd's default partitioner.
-    """
-    from torch._dynamo.backends.common import aot_autograd
+    def __init__(self, recorder: OpRecorder, graphs: list | None = None, partition_fn=None):
+        self.recorder, self.graphs, self.partition_fn = recorder, graphs, partition_fn
 
-    def run_recorded(gm, example_inputs):
+    def _recorded(self, gm, example_inputs):
         def run(args):
-            with recorder:
+            with self.recorder:
                 return gm(*args)
 
         run._boxed_call = True
         return run
 
-    aot = aot_autograd(
-        fw_compiler=run_recorded, bw_compiler=run_recorded, **({"partition_fn": partition_fn} if partition_fn else {})
-    )
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
 
-    def inner(gm, example_inputs):
-        if graphs is not None:
-            graphs.append(gm)
-        return aot(gm, example_inputs)
+        if self.graphs is not None:
+            self.graphs.append(gm)
+        partition = {"partition_fn": self.partition_fn} if self.partition_fn else {}
+        return aot_autograd(fw_compiler=self._recorded, bw_compiler=self._recorded, **partition)(gm, example_inputs)
 
-    return inner
+
+def recording_backend(recorder: OpRecorder, graphs: list | None = None, partition_fn=None) -> RecordingBackend:
+    return RecordingBackend(recorder, graphs, partition_fn)
 
 
 class MLP(nn.Module):

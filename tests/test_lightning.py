@@ -118,35 +118,6 @@ def test_fabric_runs_the_plan(dtype):
     assert (plugin.scaler is not None) == (dtype == "fp16")
 
 
-class RecordingInner:
-    """A picklable recording inner backend (spawned ranks get a copy): aot_eager with every
-    executed matmul's input dtypes kept in ``matmuls``."""
-
-    def __init__(self):
-        self.matmuls = []
-
-    def __call__(self, gm, example_inputs):
-        rec = OpRecorder()
-
-        def done():
-            self.matmuls += rec.dtypes_of(aten.mm, aten.addmm)
-            rec.calls.clear()
-
-        def recorded(gm_, _):
-            def run(args):
-                with rec:
-                    out = gm_(*args)
-                done()
-                return out
-
-            run._boxed_call = True
-            return run
-
-        from torch._dynamo.backends.common import aot_autograd
-
-        return aot_autograd(fw_compiler=recorded, bw_compiler=recorded)(gm, example_inputs)
-
-
 class RankReport(Classifier):
     """Each rank writes, at the end, the matmuls its compiled graphs executed, its plan and its
     parameters to ``out/rank<N>.pt`` (spawned ranks return nothing)."""
@@ -159,7 +130,7 @@ class RankReport(Classifier):
         plugin = self.trainer.precision_plugin
         torch.save(
             {
-                "matmuls": plugin.backend.options.inner.matmuls,
+                "matmuls": plugin.backend.options.inner.recorder.dtypes_of(aten.mm, aten.addmm),
                 "low": plugin.plan().summary()["nodes"]["LOW"],
                 "params": [p.detach().clone() for p in self.parameters()],
                 "strategy": type(self.trainer.strategy).__name__,
@@ -171,7 +142,7 @@ class RankReport(Classifier):
 def test_lightning_ddp_on_two_gloo_processes(tmp_path):
     """strategy="ddp_spawn" (DDP, 2 CPU processes, gloo) with AmpPrecision: every rank's
     compiled forward ran its matmuls in BF16, and the ranks end with the same parameters."""
-    plugin = AmpPrecision("bf16", inner=RecordingInner())
+    plugin = AmpPrecision("bf16", inner=recording_backend(OpRecorder()))  # each rank records into its copy
     trainer(plugin, steps=4, strategy="ddp_spawn", devices=2).fit(RankReport(str(tmp_path)), loader())
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for r in ranks:
