@@ -236,7 +236,7 @@ class _Fusion:
 
     def _rewrite(self, head, h, w, b, row_ops, chain, path, exact, vocab, width, kept) -> dict:
         self.module = next((i.module for i in (info(head), info(self.node)) if i is not None and i.module), "")
-        low = _val(h).dtype
+        low = _val(head).dtype  # what the head as written computes (and keeps) its logits in
         dims = _val(self.logits).shape[:-1]  # Size.numel() would specialise symbolic sizes
         tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
         rows, cols = block_shape(tokens, vocab)
@@ -366,14 +366,18 @@ def _dtype_of(node: torch.fx.Node):
     return None
 
 
+def _per_logit(low: torch.dtype) -> int:
+    return torch.finfo(low).bits // 8 + 4
+
+
 def _saved_bytes(tokens, vocab: int, low: torch.dtype) -> int | None:
     """The logits a 16-bit head keeps for backward: its 16-bit output and the FP32 log-probs."""
     if not isinstance(tokens, int):
         return None
-    return tokens * vocab * (torch.finfo(low).bits // 8 + 4)
+    return tokens * vocab * _per_logit(low)
 
 
 def _saved(tokens, vocab: int, low: torch.dtype) -> str:
     n = _saved_bytes(tokens, vocab, low)
-    per = vocab * (torch.finfo(low).bits // 8 + 4)
+    per = vocab * _per_logit(low)
     return f"{n / 2**20:.1f} MiB" if n is not None else f"{per} bytes per token"

@@ -325,6 +325,7 @@ def test_plan_row_names_the_head_its_blocks_and_the_bytes():
     backend, _, _, _ = _run(Decoder("hf"), "exact")
     (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
     assert row.precision == "FP32" and "loss_head='exact'" in row.reason
+    assert "3.0 MiB of logits not kept" in row.reason  # what the 16-bit head as written keeps
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
