@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -237,6 +238,28 @@ class AmpBackend:
 
     def plan(self) -> PrecisionPlan:
         return PrecisionPlan([r.plan for r in self.records])
+
+    def tracing(self) -> contextlib.AbstractContextManager:
+        """The Dynamo settings amp's own entry points trace under. A checkpointed block whose
+        forward sets and resets Python state is a side effect Dynamo refuses inside
+        ``torch.utils.checkpoint`` by default, and the whole block then runs as written, in
+        FP32 (transformers >= 5.25 routes each attention's kernels through such a context
+        variable, and TRL turns checkpointing on by default). A compiled backward recomputes
+        the traced ops, not the Python around them, so the state is set once, as it is
+        without checkpointing."""
+        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+    def compile(self, fn: Callable) -> Callable:
+        """``torch.compile(fn, backend=self)``, called under ``tracing()``."""
+        compiled = torch.compile(fn, backend=self)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with self.tracing():
+                return compiled(*args, **kwargs)
+
+        run.compiled = compiled
+        return run
 
     def reset(self) -> None:
         self.records.clear()

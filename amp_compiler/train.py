@@ -136,9 +136,10 @@ class TrainStep:
     def loss(self, inputs: Any, *targets: Any) -> torch.Tensor:
         """The loss of a batch as the step computes it (the same compiled program), without
         backward or update: e.g. a validation loss under the training plan."""
-        if self._forward_loss is not None:
-            return self._forward_loss(self.compiled, self.loss_fn, inputs, targets)
-        return self.loss_fn(_forward(self.compiled, inputs), *targets)
+        with self.backend.tracing():
+            if self._forward_loss is not None:
+                return self._forward_loss(self.compiled, self.loss_fn, inputs, targets)
+            return self.loss_fn(_forward(self.compiled, inputs), *targets)
 
     def _fused_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale, check, clip, update (or skip) and the scale update all on the device;
@@ -385,7 +386,7 @@ def _compile(model: torch.nn.Module, backend: AmpBackend):
     if isinstance(model, DistributedDataParallel):
         # DDP's forward hides the module from Dynamo (a compiled DDP runs it as written):
         # the module's own forward is compiled, DDP's bucketed all-reduce stays around it.
-        model.module.forward = torch.compile(model.module.forward, backend=backend)
+        model.module.forward = backend.compile(model.module.forward)
         return model
     units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     if not units:
@@ -393,7 +394,7 @@ def _compile(model: torch.nn.Module, backend: AmpBackend):
     # A unit holding other units graph-breaks at each child's hooks: compile the innermost.
     leaves = {n: m for n, m in units.items() if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
     for m in leaves.values():
-        m.forward = torch.compile(m.forward, backend=backend)
+        m.forward = backend.compile(m.forward)
     outer = sorted(set(units) - set(leaves))
     if outer:
         log.warning(

@@ -50,7 +50,7 @@ class _AmpPlugin:
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not getattr(module, "_amp_compiled", False):
-            module.forward = torch.compile(module.forward, backend=self.backend)
+            module.forward = self.backend.compile(module.forward)
             module._amp_compiled = True
         return module
 

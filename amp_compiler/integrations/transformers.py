@@ -123,7 +123,7 @@ class AmpCallback(TrainerCallback):
         if self.backend is None:
             self._resolve(module)
         without_autocast_wrapper(module)
-        forward = torch.compile(module.forward, backend=self.backend)
+        forward = self.backend.compile(module.forward)
         if name == "model" and self.dtype == "fp16":
             device = _device_of(module)
             self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
