@@ -79,6 +79,10 @@ class AmpBackend:
         # all ranks): the plan then states that reason, not "dtype=... requested"
         self.decided: tuple[str, str] | None = None
         self.pipeline = PIPELINE
+        # an entry point that owns the step (make_train_step, AmpCallback, the Lightning
+        # plugins) checks coverage itself; the bare backend warns once about graph breaks
+        self.owned = False
+        self._breaks_warned = False
 
     def __repr__(self) -> str:
         return f"AmpBackend(dtype={self.options.dtype!r}, graphs={len(self.records)})"
@@ -92,6 +96,7 @@ class AmpBackend:
     ) -> Callable:
         opts = self.options.replace(**options) if options else self.options
         record = self.rewrite(gm, example_inputs, opts)
+        self._warn_breaks(record)
         budget = opts.memory_budget
         if budget is None and not record.plan.applied:
             # FP32: the program plain torch.compile runs, its partition included (recomputing
@@ -239,6 +244,21 @@ class AmpBackend:
     def plan(self) -> PrecisionPlan:
         return PrecisionPlan([r.plan for r in self.records])
 
+    def _warn_breaks(self, record: CompileRecord) -> None:
+        """Once: Dynamo broke the graph, so code between graphs runs as written, in FP32."""
+        if self.owned or self._breaks_warned or not record.plan.applied:
+            return
+        breaks = self.coverage.graph_breaks()
+        if breaks:
+            self._breaks_warned = True
+            log.warning(
+                "amp: Dynamo broke the graph (%s); the code between graphs runs as written, in FP32, "
+                "outside the plan. Check that the model's layers are in the plan (amp_compiler.amp.plan()); "
+                "make_train_step, AmpCallback and AmpPrecision refuse a model with more than 5%% of its "
+                "matmul weights outside it.",
+                "; ".join(breaks[:3]) + (" ..." if len(breaks) > 3 else ""),
+            )
+
     def tracing(self) -> contextlib.AbstractContextManager:
         """The Dynamo settings amp's own entry points trace under. A checkpointed block whose
         forward sets and resets Python state is a side effect Dynamo refuses inside
@@ -250,11 +270,15 @@ class AmpBackend:
         return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
     def compile(self, fn: Callable) -> Callable:
-        """``torch.compile(fn, backend=self)``, called under ``tracing()``."""
+        """``torch.compile(fn, backend=self)``, called under ``tracing()``. Called from code
+        Dynamo is already tracing (a compiled forward calling a compiled submodule), ``fn``
+        is traced into the caller's graph."""
         compiled = torch.compile(fn, backend=self)
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
             with self.tracing():
                 return compiled(*args, **kwargs)
 

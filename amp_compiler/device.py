@@ -5,7 +5,8 @@ whose oneDNN reports native BF16), FP16 with dynamic loss scaling where only
 FP16 is native (CUDA sm_70/sm_75, a CPU with native FP16; the backend alone,
 which cannot scale the loss, picks FP32 there), and otherwise FP32: a CPU
 without native BF16 emulates it 37-92x slower than FP32 (a 512x512 matmul), so
-mixed precision there would be correct and useless. An explicit "bf16"/"fp16"
+mixed precision there would be correct and useless; that choice is said once per
+process at WARNING level. An explicit "bf16"/"fp16"
 on such a device still does what was asked, with one WARNING per process giving
 the slowdown a tiny matmul measured.
 
@@ -107,7 +108,12 @@ def resolve_dtype(requested: str, device: torch.device, *, loss_scaling: bool = 
             "fp32",
             (f"auto: {about}; FP32, since 16 bit would run slower (the plan is still recorded, not applied)"),
         )
-    log.info("amp dtype on %s: %s (%s)", device, choice, reason)
+    if choice == "fp32" and ("auto-fp32", reason) not in _warned:
+        # amp chose to do nothing 16-bit: said once per process, where a user sees it
+        _warned.add(("auto-fp32", reason))
+        log.warning("amp: dtype='auto' runs FP32 on %s: %s. Pass dtype='bf16' to run the plan anyway.", device, reason)
+    else:
+        log.info("amp dtype on %s: %s (%s)", device, choice, reason)
     return choice, reason
 
 

@@ -37,6 +37,7 @@ import torch
 
 from .backend import AmpBackend
 from .config import AmpConfig, merge
+from .coverage import MAX_UNCOMPILED_SHARE, check_share
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
@@ -83,11 +84,13 @@ class TrainStep:
         backend,
         fused=None,
         compile_loss=True,
+        max_uncompiled_share=MAX_UNCOMPILED_SHARE,
     ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
         self.scaler, self.monitor, self.backend = scaler, monitor, backend
         self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
+        self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.compiled = _compile(model, backend)
         # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
         joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
@@ -116,14 +119,13 @@ class TrainStep:
         loss = self.loss(inputs, *targets)
         first = self.plan_fingerprint is None  # this process's first step (also after a resume)
         if first:
-            why = self.backend.coverage.model_not_compiled()
-            if why is not None and any(p.requires_grad for p in self._params):
-                raise RuntimeError(why)
             self.plan_fingerprint = check_same_plan(self.backend.plan())
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()
-        if first:  # the first backward shows which parameters the model used
-            self.backend.coverage.warn_parameters_outside(self.model)
+        if first:  # the first backward shows which parameters the model used; nothing is updated yet
+            if any(p.requires_grad for p in self._params):
+                share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0
+                self.backend.coverage.enforce(self.model, "make_train_step", share)
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step
@@ -281,6 +283,7 @@ def make_train_step(
     config=None,
     ddp_comm_dtype: str | None = None,
     compile_loss: bool = True,
+    max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
 ) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
@@ -299,6 +302,9 @@ def make_train_step(
     ``compile_loss``: True (default) compiles ``loss_fn`` into the model's graph (planned
     like the model: the loss runs in FP32); False runs it as written on the compiled
     model's output. DDP and FSDP2 models always run it as written.
+    ``max_uncompiled_share``: the first step refuses (``UncompiledModelError``, nothing
+    updated) a model of which more than this share of the matmul/conv weight elements ran
+    outside the compiled graphs, as written in FP32 (0: refuse any).
     """
     _check_master_weights(model)
     cfg = AmpConfig.load(config)
@@ -326,6 +332,7 @@ def make_train_step(
     if monitor is None:
         monitor = NonFiniteMonitor()
     backend = AmpBackend(options, dtype=choice)
+    backend.owned = True
     backend.decided = (choice, reason)
     comm = install_comm_hook(model, ddp_comm_dtype) if ddp_comm_dtype else None
     step = TrainStep(
@@ -342,6 +349,7 @@ def make_train_step(
         backend=backend,
         fused=_fused_update(optimizer, max_grad_norm, fused_update),
         compile_loss=compile_loss,
+        max_uncompiled_share=max_uncompiled_share,
     )
     step.comm = comm
     return step

@@ -63,9 +63,8 @@ def test_trainer_trains_through_amp_with_bf16_matmuls_and_logs_the_plan(tmp_path
     losses = [h["loss"] for h in history if "loss" in h]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert any("amp_plan" in h and "bf16" in h["amp_plan"] for h in history)
-    assert cb.plan().summary()["nodes"]["LOW"] > 0
-    low = [c for c in rec.dtypes_of(aten.mm, aten.addmm, aten.bmm) if c[:2] == [torch.bfloat16] * 2]
-    assert low, "no matmul executed in BF16"
+    ran = rec.dtypes_of(aten.mm, aten.addmm, aten.bmm)
+    assert ran and all(c[:2] == [torch.bfloat16] * 2 for c in ran), "a matmul executed in FP32"
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -112,7 +111,7 @@ def test_trainer_refuses_a_model_dynamo_does_not_compile(tmp_path):
     trainer = transformers.Trainer(
         model=model, args=args(tmp_path), train_dataset=Ids(), callbacks=[AmpCallback("bf16", inner="aot_eager")]
     )
-    with pytest.raises(RuntimeError, match="ran as written in FP32"):
+    with pytest.raises(RuntimeError, match=r"AmpCallback: 100\.0% of the model's matmul/conv weight .*: head\."):
         trainer.train()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

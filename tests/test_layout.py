@@ -45,3 +45,28 @@ def test_one_version_source():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert "version" not in project and "version" in project["dynamic"]
     assert version("amp-compiler") == amp_compiler.__version__
+
+
+def test_declared_lower_bounds_are_the_ones_ci_installs():
+    """Every integration's lower bound in pyproject.toml is pinned in .ci/lowest.txt, which
+    .ci/run installs and tests: a bound nobody tests is a claim."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    bounds = {}
+    for name in ("hf", "trl", "lightning"):
+        for line in extras[name]:
+            req = Requirement(line)
+            (low,) = [s.version for s in req.specifier if s.operator == ">="]
+            assert bounds.setdefault(req.name, low) == low, f"{req.name}: two lower bounds"
+    pins = {}
+    for line in (ROOT / ".ci" / "lowest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            (pins[req.name],) = [s.version for s in req.specifier if s.operator == "=="]
+    assert pins == bounds
+    for line in extras["test"]:  # the test extra repeats them
+        req = Requirement(line)
+        if req.name in bounds:
+            assert [s.version for s in req.specifier if s.operator == ">="] == [bounds[req.name]]

@@ -1,5 +1,6 @@
-"""Lightning: ``AmpPrecision`` as a Trainer precision plugin compiles the module's forward with
-the amp backend, scales FP16 with amp's LossScaler, and refuses what would train in silence."""
+"""Lightning: ``AmpPrecision`` as a Trainer precision plugin compiles the module's forward and
+its children with the amp backend (steps that call submodules run planned), scales FP16 with
+amp's LossScaler; refusals are in test_coverage_contract.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ aten = torch.ops.aten
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, call_self: bool = True):
+    def __init__(self):
         super().__init__()
-        self.call_self = call_self
         self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
 
     def forward(self, x):
@@ -28,7 +28,7 @@ class Classifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        logits = self(x) if self.call_self else self.net(x)
+        logits = self(x)
         return F.cross_entropy(logits, y)
 
     def configure_optimizers(self):
@@ -79,14 +79,64 @@ def test_lightning_precision_flag_beside_the_plugin_is_refused():
         pl.Trainer(precision="bf16-mixed", plugins=[AmpPrecision("bf16")], accelerator="cpu")
 
 
-def test_lightning_step_that_bypasses_the_compiled_forward_is_refused_before_an_update():
-    """A training_step that calls a submodule instead of self(...) runs nothing compiled: the
-    first optimizer step raises, with every parameter as it was."""
-    model = Classifier(call_self=False)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="AmpPrecision: .*self\\(\\.\\.\\.\\)"):
-        trainer(AmpPrecision("bf16", inner="aot_eager")).fit(model, loader())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+class LitAutoEncoder(pl.LightningModule):
+    """Lightning's front-page module: no forward of its own, the steps call the submodules."""
+
+    def __init__(self, manual: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(8 * 8, 64), nn.ReLU(), nn.Linear(64, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 8 * 8))
+        self.automatic_optimization = not manual
+        self.val_losses = []
+
+    def _loss(self, batch):
+        x = batch[0].view(batch[0].size(0), -1)
+        z = self.encoder(x)
+        x_hat = self.decoder(z)
+        return F.mse_loss(x_hat, x)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self._loss(batch).item())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def images():
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.rand(32, 1, 8, 8, generator=g), torch.zeros(32))
+    return torch.utils.data.DataLoader(ds, batch_size=8)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual-optimization"])
+def test_lightning_module_whose_steps_call_submodules_runs_the_plan(manual):
+    """The canonical LitAutoEncoder (training_step and validation_step call self.encoder and
+    self.decoder, never self(...)): every linear of both, in training and validation, ran
+    BF16, the whole model's weights inside the graphs (a 0% limit holds), parameters moved."""
+    rec = OpRecorder()
+    plugin = AmpPrecision("bf16", inner=recording_backend(rec), max_uncompiled_share=0.0)
+    model = LitAutoEncoder(manual)
+    before = [p.detach().clone() for p in model.parameters()]
+    tr = trainer(plugin, steps=3, limit_val_batches=2, val_check_interval=3)
+    tr.fit(model, images(), images())
+    matmuls = rec.dtypes_of(aten.mm, aten.addmm)
+    assert matmuls and all(d[0] == torch.bfloat16 for d in matmuls)
+    # 4 linears a forward: 3 training steps (forward + 2 backward mm each) and validation forwards
+    assert len(rec.dtypes_of(aten.addmm)) >= 4 * (3 + 2)
+    assert model.val_losses
+    assert not any(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -116,6 +166,27 @@ def test_fabric_runs_the_plan(dtype):
     assert losses[-1] < losses[0]
     assert all(p.dtype == torch.float32 for p in net.parameters())
     assert (plugin.scaler is not None) == (dtype == "fp16")
+
+
+def test_fabric_loop_that_calls_submodules_runs_the_plan():
+    """A Fabric loop calling model.encoder / model.decoder, not model(...): planned, BF16."""
+    from lightning.fabric import Fabric
+
+    from amp_compiler.integrations.lightning import AmpFabricPrecision
+
+    rec = OpRecorder()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AmpFabricPrecision("bf16", inner=recording_backend(rec),
+                                                                              max_uncompiled_share=0.0)])  # fmt: skip
+    net = LitAutoEncoder()
+    model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    x = next(iter(images()))[0].view(8, -1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model.decoder(model.encoder(x)), x)
+        fabric.backward(loss)
+        opt.step()
+    matmuls = rec.dtypes_of(aten.mm, aten.addmm)
+    assert len(rec.dtypes_of(aten.addmm)) >= 4 * 3 and all(d[0] == torch.bfloat16 for d in matmuls)
 
 
 class RankReport(Classifier):

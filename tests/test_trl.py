@@ -54,11 +54,12 @@ def common(tmp_path, steps=2) -> dict:
 
 @pytest.mark.parametrize("data", ["text", "prompt-completion"])
 def test_sft_with_the_default_config_trains_under_the_plan(tmp_path, data):
-    """SFTConfig()'s defaults (bf16=True, gradient checkpointing; completion-only loss for
-    prompt-completion data) plus the callback: every matmul ran in BF16 under amp's plan, no
-    autocast around the model, FP32 parameters, loss falling."""
+    """SFTConfig()'s defaults (bf16=True, gradient checkpointing, which transformers >= 5.25
+    runs through a kernel-routing context variable; completion-only loss for prompt-completion
+    data) plus the callback: every matmul weight inside the graphs (a 0% limit holds), every
+    matmul ran in BF16, no autocast around the model, FP32 parameters, loss falling."""
     rec = OpRecorder()
-    callback = AmpCallback(inner=recording_backend(rec))
+    callback = AmpCallback(inner=recording_backend(rec), max_uncompiled_share=0.0)  # every matmul weight planned
     config = SFTConfig(**common(tmp_path, steps=6), learning_rate=2e-3)
     assert config.bf16 and config.gradient_checkpointing  # TRL's defaults, untouched
     model = llama()
@@ -189,3 +190,63 @@ def test_sft_assistant_only_loss_trains_under_the_plan(tmp_path):
     assert losses[-1] < losses[0]
     matmuls = rec.dtypes_of(*MATMULS)
     assert matmuls and all(d[0] == torch.bfloat16 for d in matmuls)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_trl_head_statistics_match_trls_own_function(softcap):
+    """The traceable statistics amp traces in place of TRL's ChunkedLogProbFunction equal what
+    TRL's Function computes (FP32, every output, temperature, logit scale, soft-capping)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from amp_compiler.integrations.trl_head import log_prob_statistics
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(24, 16, generator=g), torch.randn(300, 16, generator=g)
+    bias, targets = torch.randn(300, generator=g), torch.randint(0, 300, (24,), generator=g)
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    args = (hidden, weight, bias, targets, 0.7, 128, softcap, 1.3, outputs)
+    theirs, ours = ChunkedLogProbFunction.apply(*args), log_prob_statistics(*args)
+    for a, b in zip(theirs[:4], ours[:4]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert torch.equal(theirs[4], ours[4])
+    assert log_prob_statistics(*args[:-1], ("log_probs",))[1:] == (None, None, None, None)
+
+
+def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
+    """Under AmpCallback the LM head's projection (the matmul whose weight has the vocabulary
+    as a dimension) executed in BF16 inside the graphs; called eagerly, TRL's own Function
+    still runs (the substitution is for tracing only)."""
+    from trl.trainer import utils
+
+    class Shapes(OpRecorder):
+        def record(self, op, args, kwargs):
+            super().record(op, args, kwargs)
+            if op in MATMULS:
+                dims = {d for a in args if isinstance(a, torch.Tensor) for d in a.shape}
+                self.calls[-1] = (*self.calls[-1], dims)
+
+    rec = Shapes()
+    callback = AmpCallback(inner=recording_backend(rec), max_uncompiled_share=0.0)
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=125, bos_token_id=126, eos_token_id=127,
+    )  # fmt: skip
+    trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=SFTConfig(**common(tmp_path)), train_dataset=ds,
+                         processing_class=tokenizer(), callbacks=[callback])  # fmt: skip
+    trainer.train()
+    head = [c for c in rec.calls if c[0] in MATMULS and 128 in c[2]]
+    assert len(head) >= 3 * 2 and all(c[1][0] == torch.bfloat16 for c in head)  # forward and backward, 2 steps
+    assert utils._ChunkedLogProbFunction.amp_planned
+    real = utils._ChunkedLogProbFunction.wrapped
+    ran, apply = [], real.apply
+    real.apply = lambda *a: ran.append(1) or apply(*a)
+    try:
+        utils._ChunkedLogProbFunction.apply(
+            torch.randn(4, 64), torch.randn(128, 64), None, torch.zeros(4).long(), 1.0, 64
+        )
+    finally:
+        real.apply = apply
+    assert ran == [1]

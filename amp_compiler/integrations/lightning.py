@@ -3,13 +3,15 @@
     trainer = lightning.pytorch.Trainer(plugins=[AmpPrecision()])   # dtype="auto"; or "bf16", "fp16"
     fabric = lightning.fabric.Fabric(plugins=[AmpFabricPrecision()])
 
-When the strategy sets the module up, its ``forward`` is compiled with the amp backend; no
+When the strategy sets the module up, its ``forward`` and each child module's are compiled
+with the amp backend (a ``training_step`` calling ``self.encoder(x)`` runs planned); no
 ``torch.autocast`` is entered around steps (the plan decides every op). FP16 gets amp's
 ``LossScaler`` (a ``GradScaler`` subclass, so Lightning's scaling, unscaling before clipping,
 skipped steps and checkpointing of the scaler apply) and the Inf/NaN monitor, whose alerts
 go to the Python logger and whose scale and skipped-step counts go to the Trainer's logger.
-The first optimizer step refuses a module whose forward no compiled graph took (a
-``training_step`` that never calls ``self(...)``), before anything is updated.
+The first optimizer step refuses, before anything is updated, a module of which more than
+``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran outside the
+compiled graphs (as written, in FP32), naming the modules and Dynamo's graph breaks.
 
 Lightning refuses ``precision=`` beside a precision plugin ("Received both precision=... and
 plugins=..."): give the dtype to ``AmpPrecision`` instead.
@@ -27,6 +29,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
+from ..coverage import MAX_UNCOMPILED_SHARE, check_share
 from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
 from ..plan import PrecisionPlan
@@ -49,10 +52,25 @@ class _AmpPlugin:
         return self.backend.plan()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Compile the module's ``forward`` and each child holding parameters: a
+        ``training_step`` (or a Fabric loop) that calls ``self.encoder(x)`` rather than
+        ``self(x)`` runs planned too; a forward that calls its children traces them into
+        its own graph."""
         if not getattr(module, "_amp_compiled", False):
-            module.forward = self.backend.compile(module.forward)
+            for m in (module, *_callable_children(module)):
+                m.forward = self.backend.compile(m.forward)
             module._amp_compiled = True
+        self._module = module
         return module
+
+    def _enforce(self, model) -> None:
+        """Before the first update (once): refuse a module too much of which ran outside
+        the compiled graphs."""
+        if self._checked:
+            return
+        self._checked = True
+        share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0  # FP32 chosen: nothing to lose
+        self.backend.coverage.enforce(model, type(self).__name__, share)
 
     def forward_context(self):
         return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
@@ -64,8 +82,10 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
     ``options``: backend options (``fp32_modules``, ...); ``config``: a DeepSpeed-style config."""
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
-                 monitor: NonFiniteMonitor | None = None, **options: Any) -> None:  # fmt: skip
+                 monitor: NonFiniteMonitor | None = None, max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
+                 **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
+        self.max_uncompiled_share = check_share(max_uncompiled_share)
         # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
         # takes its no-scaler path and then says what it is
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
@@ -77,7 +97,7 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         def checked():  # after forward and backward, before the update
             out = closure()
-            self._check_compiled(model)
+            self._enforce(model)
             return out
 
         if self.scaler is None:
@@ -94,34 +114,39 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
             logger.log_metrics({"amp_loss_scale": after, "amp_skipped_steps": self.skipped_steps}, step=step)
         return out
 
-    def _check_compiled(self, model) -> None:
-        if self._checked:
-            return
-        self._checked = True
-        why = self.backend.coverage.model_not_compiled()
-        if why is not None:
-            raise RuntimeError(
-                f"AmpPrecision: {why} (a training_step must call the module itself, self(...), "
-                "for its forward to run compiled)"
-            )
-        self.backend.coverage.warn_parameters_outside(model)
-
 
 class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
     """``AmpPrecision`` for ``lightning.fabric.Fabric(plugins=[...])``: ``fabric.setup(model)``
     compiles the model's forward with the amp backend; no autocast, inputs and outputs left as
     they are (the plan casts); FP16 scaled by amp's ``LossScaler`` in ``fabric.backward``."""
 
-    def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None, **options: Any) -> None:
+    def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
+                 max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
+        self.max_uncompiled_share = check_share(max_uncompiled_share)
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
+        self._checked = False
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if getattr(self, "_module", None) is not None:  # what fabric.setup handed us, after backward
+            self._enforce(self._module)
+        return super().optimizer_step(optimizer, **kwargs)
 
     def convert_input(self, data: Any) -> Any:
         return data  # FP32 in: the plan casts where it decided to
 
     def convert_output(self, data: Any) -> Any:
         return data
+
+
+def _callable_children(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Direct children with trainable parameters and a forward of their own (not containers)."""
+    return [
+        child
+        for child in module.children()
+        if type(child).forward is not torch.nn.Module.forward and any(p.requires_grad for p in child.parameters())
+    ]
 
 
 def _settings(dtype, device, config, options) -> tuple:
@@ -131,5 +156,6 @@ def _settings(dtype, device, config, options) -> tuple:
     resolved, reason = resolve_dtype(merge(dtype, cfg.dtype, "dtype", "auto"), torch.device(device))
     scaler = (cfg.scaler(device) or LossScaler(device)) if resolved == "fp16" else None
     backend = AmpBackend({**cfg.options, **options}, dtype=resolved)
+    backend.owned = True
     backend.decided = (resolved, reason)
     return resolved, reason, scaler, backend, device

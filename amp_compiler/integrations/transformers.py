@@ -23,7 +23,10 @@ is built, so amp's plan (and, for FP16, amp's loss scaling) alone runs; an expli
 forward feeds the loss (TRL's ``ref_model``, a distillation teacher) runs under the same
 plan as the policy, so identical weights give identical log-probabilities; reference
 log-probs precomputed in ``__init__`` (``precompute_ref_log_probs=True``) are computed again
-under the plan. ``torch_compile=True`` (a second compile) is refused.
+under the plan. ``torch_compile=True`` (a second compile) is refused. Before the first update, a model of
+which more than ``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran
+outside the compiled graphs (as written, in FP32) is refused with the modules and Dynamo's
+graph breaks named; nothing is updated.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transformers import TrainerCallback
 
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
+from ..coverage import MAX_UNCOMPILED_SHARE, check_share
 from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
 from ..options import AmpOptions
@@ -48,6 +52,7 @@ from .trainer_hooks import (
     take_over_mixed_precision,
     without_autocast_wrapper,
 )
+from .trl_head import plan_trl_head
 
 log = logging.getLogger("amp_compiler")
 
@@ -55,8 +60,17 @@ log = logging.getLogger("amp_compiler")
 class AmpCallback(TrainerCallback):
     """See the module docstring. ``options``: backend options (``fp32_modules``, ...)."""
 
-    def __init__(self, dtype: str | None = None, *, config=None, monitor: NonFiniteMonitor | None = None, **options):
+    def __init__(
+        self,
+        dtype: str | None = None,
+        *,
+        config=None,
+        monitor: NonFiniteMonitor | None = None,
+        max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
+        **options,
+    ):
         self.config = AmpConfig.load(config)
+        self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
         self.requested = self.explicit or "auto"
         self.flag: str | None = None  # the Trainer's bf16/fp16 flag, read as the request
@@ -110,6 +124,7 @@ class AmpCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
+        plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
         self._plan_forward(model)
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
@@ -153,6 +168,7 @@ class AmpCallback(TrainerCallback):
         if self.flag is not None:
             self.reason = f"TrainingArguments({self.flag}=True); {self.reason}"
         self.backend = AmpBackend(self.options, dtype=self.dtype)
+        self.backend.owned = True
         self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
 
     def _plan_precomputed_reference(self, trainer) -> None:
@@ -188,10 +204,8 @@ class AmpCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if not self._compile_checked and self.backend is not None:
             self._compile_checked = True  # before the first update: nothing is lost
-            why = self.backend.coverage.model_not_compiled()
-            if why is not None:
-                raise RuntimeError(why)
-            self.backend.coverage.warn_parameters_outside(model)
+            share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0  # FP32 chosen: nothing to lose
+            self.backend.coverage.enforce(model, "AmpCallback", share)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]

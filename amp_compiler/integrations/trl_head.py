@@ -1,0 +1,74 @@
+"""TRL's fused LM head under amp's plan.
+
+TRL (>= 1.16) trainers compute per-token log-probs through ``add_fused_lm_head``: an autograd
+Function (``ChunkedLogProbFunction``) that projects in tiles with ``torch.mm(..., out=)`` and
+folds each tile into online statistics. Dynamo cannot trace it (``out=`` into a view, a
+generator), so the LM head ran eagerly in FP32 outside every graph. While Dynamo traces a
+forward, the Function is replaced by the same statistics written as plain ops: the vocabulary
+projection joins the plan (16 bit), softmax statistics stay FP32, and where only the target
+log-probs are asked for amp's loss-head pass fuses the projection and log-softmax into its
+blocked head op. Called outside a compile, TRL's own Function runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def log_prob_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = (),
+):
+    """What ``ChunkedLogProbFunction.apply`` returns (log-probs, entropy, log of the sum of
+    squared probabilities, mean logit, whether the target is the first argmax; ``None`` for
+    what ``outputs`` does not ask for), as traceable ops. ``chunk_size`` is TRL's tiling: the
+    plan does its own."""
+    del chunk_size
+    z = F.linear(hidden, weight, bias) * logit_scale
+    if final_logit_softcapping is not None:
+        z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+    z = z / temperature
+    logp = F.log_softmax(z, dim=-1)
+    log_probs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+    with torch.no_grad():  # TRL marks these non-differentiable
+        log_sum_sq = torch.logsumexp(2 * logp, dim=-1) if "log_sum_sq_probs" in outputs else None
+        mean = z.float().mean(-1) if "mean_logits" in outputs else None
+        top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+    return log_probs, entropy, log_sum_sq, mean, top1
+
+
+def plan_trl_head() -> bool:
+    """Route TRL's fused head through ``log_prob_statistics`` while Dynamo traces (once per
+    process; TRL's Function runs unchanged outside a compile). False where TRL is not
+    installed or has no fused head."""
+    try:
+        from trl.trainer import utils
+    except ImportError:
+        return False
+    original = getattr(utils, "_ChunkedLogProbFunction", None)
+    if original is None:
+        return False
+    if getattr(original, "amp_planned", False):
+        return True
+
+    class PlannedChunkedLogProb:
+        amp_planned = True
+        wrapped = original
+
+        @staticmethod
+        def apply(*args):
+            if torch.compiler.is_compiling():
+                return log_prob_statistics(*args)
+            return original.apply(*args)
+
+    utils._ChunkedLogProbFunction = PlannedChunkedLogProb
+    return True
