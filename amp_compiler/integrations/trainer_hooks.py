@@ -67,6 +67,22 @@ def second_models(trainer) -> dict[str, torch.nn.Module]:
     return found
 
 
+def mirror_checkpointing(model: torch.nn.Module, other: torch.nn.Module) -> None:
+    """Checkpoint ``other``'s layers as ``model``'s are (a reference model is a copy of the
+    policy, which TRL checkpoints by default): a checkpointed layer is a region of its own in
+    the traced graph, whose casts and fusions round differently from the same layer inline,
+    so identical weights would give log-probs that differ by ~1e-6 per sequence."""
+    theirs = dict(other.named_modules())
+    for name, module in model.named_modules():
+        twin = theirs.get(name)
+        if twin is None or not hasattr(module, "gradient_checkpointing") or not hasattr(twin, "gradient_checkpointing"):
+            continue
+        twin.gradient_checkpointing = module.gradient_checkpointing
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is not None:
+            twin._gradient_checkpointing_func = func
+
+
 def as_in_training(forward):
     """``forward`` run the way the policy's training forward runs: with autograd on, outputs
     detached. A no-grad call compiles an inference graph, whose 16-bit kernels (another

@@ -48,6 +48,7 @@ from ..scaler import LossScaler, nonfinite
 from .trainer_hooks import (
     as_in_training,
     find_trainer,
+    mirror_checkpointing,
     second_models,
     take_over_mixed_precision,
     without_autocast_wrapper,
@@ -145,6 +146,8 @@ class AmpCallback(TrainerCallback):
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(module)
             forward = self._scaled(forward)
+        if name != "model" and self.trainer is not None:
+            mirror_checkpointing(self.trainer.model, module)
         if name != "model":
             # the training graph's kernels, not an inference graph's: parameters must ask for
             # gradients for autograd to build it (none is ever computed: outputs are detached)
