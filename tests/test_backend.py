@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from helpers import (
     MLP,
     ConvNet,
+    OpRecorder,
     TinyLM,
     assert_executed_dtypes,
     check_against_fp32,
+    recording_backend,
 )
 
 import amp_compiler
@@ -206,13 +208,15 @@ def test_dynamic_shapes_one_graph_serves_all_lengths():
 def test_automatic_dynamic_recompile_is_rewritten_too():
     """Without dynamic=, a new shape recompiles (automatically dynamic); every graph is rewritten."""
     model = MLP()
-    backend = AmpBackend(inner="eager")
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
     compiled = torch.compile(model, backend=backend)
     for b in (2, 3, 4):
         x = torch.randn(b, 16)
         torch.testing.assert_close(compiled(x), model(x), atol=0.05, rtol=0.05)
     assert len(backend.records) == 2
-    assert all(r.plan.summary()["nodes"]["LOW"] == 2 for r in backend.records)
+    # what executed: both linears of every call in BF16, in both graphs
+    assert [d[0] for d in rec.dtypes_of(torch.ops.aten.addmm)] == [torch.bfloat16] * 2 * 3
 
 
 class Broken(nn.Module):
@@ -228,10 +232,12 @@ class Broken(nn.Module):
 
 def test_graph_breaks_every_graph_rewritten():
     model, x = Broken(), torch.randn(4, 16)
-    backend = AmpBackend(inner="aot_eager")
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
     out = torch.compile(model, backend=backend)(x)
     assert len(backend.records) == 2
-    assert [r.plan.summary()["nodes"]["LOW"] for r in backend.records] == [2, 2]
+    assert [d[0] for d in rec.dtypes_of(torch.ops.aten.addmm)] == [torch.bfloat16] * 4  # 2 a graph
+    assert [d[0] for d in rec.dtypes_of(torch.ops.aten._softmax)] == [torch.float32]
     torch.testing.assert_close(out, model(x), atol=0.02, rtol=0.05)
 
 
@@ -240,13 +246,15 @@ def test_inference_modes(mode):
     model, x = ConvNet(), torch.randn(2, 3, 8, 8)
     model.eval()
     expected = model(x)
-    backend = AmpBackend(inner="aot_eager")
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
     compiled = torch.compile(model, backend=backend)
     ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     with ctx():
         out = compiled(x)
     torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
-    assert backend.plan().summary()["nodes"]["LOW"] >= 3
+    low = rec.dtypes_of(torch.ops.aten.convolution, torch.ops.aten.addmm, torch.ops.aten.mm)
+    assert len(low) >= 3 and all(d[0] == torch.bfloat16 for d in low)
 
 
 def test_tied_weights_cast_once_grads_shared():
@@ -323,3 +331,29 @@ def test_dump_dir_writes_graph_after_each_pass(tmp_path):
         "graph0_6_verify_plan.txt",
     ]
     assert "_to_copy" in (tmp_path / "graph0_3_insert_casts.txt").read_text()
+
+
+def _plan_oracle(x, lin):
+    """The plan's program by hand: the linear on BF16-rounded inputs (FP32 accumulation,
+    result rounded to BF16), softmax in FP32."""
+    h = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16()).float()
+    return torch.softmax(h, -1)
+
+
+@pytest.mark.parametrize("softmax_low", [False, True], ids=["plan", "negative-control-softmax-in-bf16"])
+def test_output_matches_the_plans_oracle_and_a_dropped_fp32_softmax_fails(softmax_low):
+    """A tolerance that separates a 16-bit run from a broken one: amp's output equals the plan
+    computed by hand to 1e-6, while the same model with softmax moved to BF16 (as a dropped
+    cast would run it) misses that oracle by more than 1e-4."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 512)
+    x = torch.randn(8, 64) * 2
+    opts = {"low_ops": ["aten.softmax"]} if softmax_low else {}
+    out = torch.compile(
+        lambda t: torch.softmax(lin(t), -1), backend=AmpBackend(dtype="bf16", inner="aot_eager", **opts)
+    )(x)
+    err = (out - _plan_oracle(x, lin)).abs().max().item()
+    if softmax_low:
+        assert err > 1e-4, err
+    else:
+        assert err <= 1e-6, err
