@@ -134,6 +134,10 @@ class Coverage:
         used = {id(p) for p in model.parameters() if p.grad is not None} or None
         share, modules = self.uncompiled_share(model, used)
         why = self.model_not_compiled()
+        refuse = share > max_share or (why is not None and max_share < 1.0)
+        if refuse:  # the step's gradients go too: the model is as it was before the step
+            for p in model.parameters():
+                p.grad = None
         if why is not None and share <= max_share < 1.0:
             raise UncompiledModelError(f"{owner}: {why}{self._breaks_said()}")
         if share > max_share:

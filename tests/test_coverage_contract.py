@@ -105,6 +105,7 @@ def test_step_refuses_layers_dynamo_does_not_trace_before_any_update():
     assert "Nothing was updated" in said
     assert "max_uncompiled_share" in said
     assert _unchanged(model, before) and not opt.state
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_share_limit_is_an_option():

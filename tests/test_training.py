@@ -13,6 +13,7 @@ from helpers import ShiftLM, data, inject, lm_loss, mlp
 
 import amp_compiler
 from amp_compiler import LossScaler, MasterWeightsError, NonFiniteMonitor, make_train_step
+from amp_compiler.coverage import UncompiledModelError
 
 INNER = {"inner": "aot_eager"}
 
@@ -290,8 +291,7 @@ def test_a_model_dynamo_does_not_compile_is_refused_not_trained_in_fp32(compile_
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     step = make_train_step(model, opt, F.cross_entropy, dtype="bf16", compile_loss=compile_loss)
-    match = "only the loss was compiled" if compile_loss else "compiled no graph"
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(UncompiledModelError, match=r"make_train_step: 100\.0% of the model's matmul/conv .*: fc\."):
         step(torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state
@@ -323,14 +323,22 @@ class RoutedExperts(nn.Module):
 
 
 def test_parameters_left_outside_every_graph_are_named_in_a_warning(caplog):
-    """Training goes on (the eager part is right, in FP32), but the user is told which
-    parameters got no 16-bit speed-up and why, once, at the first step."""
+    """The experts hold 42% of the matmul weight: the default limit (5%) refuses the model,
+    naming them. Under a limit the user raised, training goes on (the eager part is right, in
+    FP32), and the user is told which parameters got no 16-bit speed-up, once."""
     torch.manual_seed(0)
     model = RoutedExperts()
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
     step = make_train_step(
         model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, dtype="bf16", compile_options=INNER
     )
-    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    with pytest.raises(UncompiledModelError, match=r"42\.1% .*\(limit 5%\): experts\.0, experts\.1\."):
+        step(x, y)
+    torch._dynamo.reset()
+    step = make_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, dtype="bf16", compile_options=INNER,
+        max_uncompiled_share=0.5,
+    )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="amp_compiler"):
         step(x, y)
         step(x, y)
