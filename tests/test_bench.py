@@ -145,3 +145,21 @@ def test_table_of_a_run_without_16_bit_variants_compares_with_inductor_fp32():
         }
     )
     assert "| vs fp32-inductor |" in text and "autocast+inductor |" not in text
+
+
+def test_roofline_divides_each_dtypes_gemms_by_that_dtypes_peak():
+    """The exact head's FP32 projection against the FP32 peak, its 16-bit body against the
+    16-bit one (it was all divided by an emulated BF16 peak: 944%); FP32 variants all FP32."""
+    size = {"batch": 4, "seq": 512, "d": 512, "vocab": 32768}
+    head = 6 * 4 * 512 * 512 * 32768
+    flops = 3 * head
+    peaks = {"bf16": 2.0, "fp32": 0.4}
+    parts = bench.gemm_flops_by_dtype("amp-step-exact", "lm-head-32k", size, flops, "bf16")
+    assert parts == {"fp32": head, "bf16": 2 * head}
+    ideal_ms = (head / 0.4e12 + 2 * head / 2.0e12) * 1e3
+    assert bench.roofline("amp-step-exact", "lm-head-32k", size, flops, ideal_ms * 2, "bf16", peaks) == pytest.approx(
+        0.5
+    )
+    assert bench.gemm_flops_by_dtype("fp32-eager", "lm-head-32k", size, flops, "bf16") == {"fp32": flops}
+    assert bench.gemm_flops_by_dtype("amp-step", "lm-head-32k", size, flops, "bf16") == {"bf16": flops}
+    assert bench.roofline("amp-step", "lm-sdpa", size, flops, 1.0, "bf16", {"fp32": 0.4}) is None

@@ -69,6 +69,35 @@ def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias, small_blocks)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
+def test_exp_never_sees_underflowing_inputs_and_wide_logits_stay_exact(small_blocks, monkeypatch):
+    """Init-time logits spread wide (std 60: most terms exp() to below FP32's smallest normal,
+    where ATen's exp is 6.6x slower): every exp the op and its backward executed got inputs
+    >= EXP_FLOOR, and the loss and gradients equal the unfused head's in FP32."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 37, 8, 53
+    h = (torch.randn(n, d, generator=g) * 20).requires_grad_()
+    w = torch.randn(vocab, d, generator=g).requires_grad_()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    ref = _reference(h, w, None, t, [])
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    lows, exp_ = [], torch.Tensor.exp_
+
+    def recorded(x):  # the op's blocks are eager calls of Tensor.exp_ (a dispatch mode sees the op whole)
+        if x.dim() == 2:
+            lows.append(x.min().item())
+        return exp_(x)
+
+    monkeypatch.setattr(torch.Tensor, "exp_", recorded)
+    loss = _from_stats(HEAD(h, w, None, t, "", -100, True, False), t, vocab)
+    grads = torch.autograd.grad(loss, (h, w))
+    monkeypatch.undo()
+    assert len(lows) >= 2 * 4 * 7 and min(lows) >= loss_head.EXP_FLOOR  # 4 x 7 blocks, forward and backward
+    assert (F.linear(h, w).std() > 40).item()  # the logits really spread that wide
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_op_registration_holds():
     """Fake kernel, autograd and schema agree with the real kernel (torch.library.opcheck)."""
     g = torch.Generator().manual_seed(0)

@@ -497,14 +497,17 @@ def gemm_peak_tflops(device: str, dtype: str) -> float:
     """The best GEMM rate of this machine in ``dtype`` (TFLOP/s), the roofline's ceiling:
     square GEMMs of a few sizes, best of three each."""
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-    emulated = device == "cpu" and dt != torch.float32 and dtype not in native_dtypes(torch.device("cpu"))[0]
     best = 0.0
-    for n in (256, 512) if emulated else (1024, 2048, 4096):
+    for n in (256, 512) if _emulated(device, dtype) else (1024, 2048, 4096):
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
         a @ b
         for _ in range(3):
             best = max(best, 2 * n**3 / timed(lambda a=a, b=b: a @ b, device) / 1e12)
     return best
+
+
+def _emulated(device: str, dtype: str) -> bool:
+    return device == "cpu" and dtype != "fp32" and dtype not in native_dtypes(torch.device("cpu"))[0]
 
 
 def saved_activation_bytes(v: Variant, x, y) -> int:
@@ -552,6 +555,30 @@ def warm_up(workload, dtype, device, variants) -> None:
         if v.compiled:
             with torch._inductor.utils.fresh_cache(dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"), delete=False):
                 v.step(x, y)
+
+
+def gemm_flops_by_dtype(name: str, workload: str, size: dict, flops: float, dtype: str) -> dict[str, float]:
+    """A step's GEMM FLOPs by the dtype they run in: FP32 variants all FP32; the exact loss
+    head's projection (6 x tokens x d x vocabulary, forward and backward) FP32 beside a
+    16-bit body; every other variant all in ``dtype``."""
+    if name.startswith("fp32"):
+        return {"fp32": flops}
+    if LOSS_HEAD.get(name) == "exact" and workload.startswith("lm"):
+        v = HEAD_WORKLOADS.get(workload, size["vocab"])
+        head = 6 * size["batch"] * size["seq"] * size["d"] * v
+        return {"fp32": head, dtype: flops - head}
+    return {dtype: flops}
+
+
+def roofline(name, workload, size, flops, step_ms, dtype, peak_tflops) -> float | None:
+    """The step's ideal time (each dtype's GEMM FLOPs at that dtype's measured peak) over its
+    measured time: a fraction of what the GEMMs alone would allow, never above 1 by
+    dividing FP32 work by a 16-bit peak."""
+    parts = gemm_flops_by_dtype(name, workload, size, flops, dtype)
+    if any(not peak_tflops.get(d) for d in parts):
+        return None
+    ideal_s = sum(f / (peak_tflops[d] * 1e12) for d, f in parts.items())
+    return ideal_s / (step_ms / 1e3)
 
 
 def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak_tflops=None) -> dict:
@@ -606,9 +633,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
             r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
         if flops:
             r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
-            # FP32 variants against the FP32 GEMM peak, the others against the 16-bit one
-            ceiling = (peak_tflops or {}).get("fp32" if v.name.startswith("fp32") else dtype)
-            r["roofline"] = r["tflops"] / ceiling if ceiling else None
+            r["roofline"] = roofline(v.name, workload, size, flops, r["step_ms"], dtype, peak_tflops or {})
         if flops and device == "cuda":
             peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
             r["mfu"] = r["tflops"] / peak if peak else None
@@ -829,6 +854,8 @@ def main(argv=None) -> int:
     peak = {d: gemm_peak_tflops(a.device, d) for d in {dtype, "fp32"}}
     results["machine"]["gemm_peak_tflops"] = peak
     log("GEMM peak measured here (TFLOP/s): " + ", ".join(f"{d} {t:.3g}" for d, t in peak.items()))
+    # an emulated dtype's GEMM rate is no ceiling (other shapes emulate faster): no roofline for it
+    peak = {d: t for d, t in peak.items() if not _emulated(a.device, d)}
     # A fresh kernel cache for the run (each variant's first call gets its own inside it):
     # compiled C++/Triton kernels of an earlier run would hide the first-call cost (the FX
     # and AOT caches are switched off per variant as well).
