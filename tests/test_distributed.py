@@ -154,8 +154,7 @@ def _fsdp_worker(rank, port, results):
         import amp_compiler
 
         model = _fsdp_model()
-        for layer in (model[0], model[2]):
-            fully_shard(layer)
+        fully_shard(model[0])  # model[2], the head, is the root unit's own layer
         fully_shard(model)
         rec = OpRecorder()
         step = amp_compiler.make_train_step(
@@ -174,7 +173,9 @@ def _fsdp_worker(rank, port, results):
             r = step(x, y)
             losses.append(r.loss.item())
             skipped.append(r.skipped)
-        low = [c for c in rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm) if c[:2] == [torch.bfloat16] * 2]
+        matmuls = rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm)
+        low = [c for c in matmuls if c[:2] == [torch.bfloat16] * 2]
+        assert len(low) == len(matmuls) and len(rec.dtypes_of(torch.ops.aten.addmm)) == 2 * 5  # both layers
         results[rank] = (
             losses,
             skipped,
@@ -188,7 +189,8 @@ def _fsdp_worker(rank, port, results):
 
 
 def test_fsdp2_trains_in_bf16_like_fp32_and_skips_an_inf_on_every_rank():
-    """2 gloo ranks, fully_shard per Linear and at the root: matmuls run in BF16, parameters
+    """2 gloo ranks, fully_shard on the first Linear and at the root (whose own layer, the last
+    Linear, is compiled apart from the inner unit): every matmul ran in BF16, parameters
     stay FP32 DTensors, the same steps are skipped everywhere (an Inf on rank 1 at step 3),
     and the result is single-process FP32 training's within 1%."""
     results = mp.Manager().dict()
