@@ -114,8 +114,10 @@ def test_export_bf16_follows_plan_half_weights_parity(name, tmp_path):
     assert_follows_plan(path)
     assert report.weight_bytes <= 0.6 * fp32_export_bytes(model), report.weight_ratio
     p = report.parity
-    assert p["vs_fp32_max_rel"] < 0.05 and p["negative_control_diff"] > 0
-    assert p["vs_amp_torch_max_rel"] < 0.02
+    # the figures docs/onnx.md states (0.33-0.47% and <= 0.50% measured), tighter than the
+    # exporter's own tolerance, which a successful export already passed
+    assert p["vs_fp32_max_rel"] < 0.006 and p["negative_control_diff"] > 0
+    assert p["vs_amp_torch_max_rel"] < 0.006
     if name in ("softmax_attention", "cnn_batchnorm"):
         x = args[0]
         with torch.no_grad():
