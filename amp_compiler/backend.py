@@ -251,12 +251,20 @@ class AmpBackend:
         breaks = self.coverage.graph_breaks()
         if breaks:
             self._breaks_warned = True
+            fix = ""
+            if any(b.startswith("HOP:") and "side effect" in b for b in breaks):
+                fix = (
+                    " A checkpointed layer set Python state (transformers >= 5.25 does): call the "
+                    "compiled model inside `with backend.tracing():` (for the named backend, "
+                    "amp_compiler.amp.tracing()) to trace it."
+                )
             log.warning(
                 "amp: Dynamo broke the graph (%s); the code between graphs runs as written, in FP32, "
                 "outside the plan. Check that the model's layers are in the plan (amp_compiler.amp.plan()); "
                 "make_train_step, AmpCallback and AmpPrecision refuse a model with more than 5%% of its "
-                "matmul weights outside it.",
+                "matmul weights outside it.%s",
                 "; ".join(breaks[:3]) + (" ..." if len(breaks) > 3 else ""),
+                fix,
             )
 
     def tracing(self) -> contextlib.AbstractContextManager:

@@ -245,3 +245,57 @@ def test_lightning_plugins_refuse_untraced_layers():
     with pytest.raises(UncompiledModelError, match=r"AmpFabricPrecision: 97\.0% .*: rnn\."):
         opt.step()
     assert _unchanged(net, before)
+
+
+class _Routing:
+    active, used = None, False
+
+
+ROUTING = _Routing()  # module state, as kernels' routing context variable is
+
+
+class Routed(nn.Module):
+    """A checkpointed layer that sets and resets Python state in its forward, as transformers
+    >= 5.25's attention does with its kernel-routing context variable."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.layer = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def _body(self, x):
+        before, ROUTING.active, ROUTING.used = ROUTING.active, "layer", True
+        try:
+            return torch.relu(self.layer(x))
+        finally:
+            ROUTING.active = before
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._body, self.pre(x), use_reentrant=False)
+
+
+def test_checkpointed_layer_with_python_state_is_traced_under_tracing(caplog):
+    """The bare backend: Dynamo refuses the side effect and runs the layer as written; the
+    warning says how to trace it, and under backend.tracing() the layer's weight is in a graph
+    and its matmul ran BF16. make_train_step traces so by itself (a 0% limit holds)."""
+    model, x = Routed(), torch.randn(4, 16)
+    backend = AmpBackend(dtype="bf16", inner="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="amp_compiler"):
+        torch.compile(model, backend=backend)(x)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "HOP: Non-nullified side effect" in said and "backend.tracing()" in said
+    assert id(model.layer.weight) not in backend.coverage.parameter_ids
+    torch._dynamo.reset()
+    rec = OpRecorder()
+    backend = AmpBackend(dtype="bf16", inner=recording_backend(rec))
+    with backend.tracing():
+        torch.compile(model, backend=backend)(x)
+    assert id(model.layer.weight) in backend.coverage.parameter_ids
+    assert [d[0] for d in rec.dtypes_of(aten.addmm)] == [torch.bfloat16] * 2
+    torch._dynamo.reset()
+    step = make_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=1e-2), lambda out: out.square().mean(), dtype="bf16",
+        compile_options={"inner": "aot_eager"}, max_uncompiled_share=0.0,
+    )  # fmt: skip
+    step(x)
+    assert ROUTING.active is None
