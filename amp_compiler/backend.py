@@ -274,8 +274,12 @@ class AmpBackend:
         FP32 (transformers >= 5.25 routes each attention's kernels through such a context
         variable, and TRL turns checkpointing on by default). A compiled backward recomputes
         the traced ops, not the Python around them, so the state is set once, as it is
-        without checkpointing."""
-        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+        without checkpointing. transformers wraps every model class's layers in the same
+        function, so a process training several model classes recompiles that one code once per
+        class: past Dynamo's limit of 8 it would run them as written (refused by the coverage
+        check); amp's compiles allow 64."""
+        limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True, recompile_limit=limit)
 
     def compile(self, fn: Callable) -> Callable:
         """``torch.compile(fn, backend=self)``, called under ``tracing()``. Called from code
