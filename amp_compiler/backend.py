@@ -16,7 +16,7 @@ from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
 from .autocast_region import autocast_around, autocast_region, warn_autocast_around
 from .capture import to_aten
 from .checks import check_gradient_flow
-from .coverage import Coverage
+from .coverage import MAX_UNCOMPILED_SHARE, Coverage
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .inductor import inner_compiler
@@ -261,9 +261,10 @@ class AmpBackend:
             log.warning(
                 "amp: Dynamo broke the graph (%s); the code between graphs runs as written, in FP32, "
                 "outside the plan. Check that the model's layers are in the plan (amp_compiler.amp.plan()); "
-                "make_train_step, AmpCallback and AmpPrecision refuse a model with more than 5%% of its "
+                "make_train_step, AmpCallback and AmpPrecision refuse a model with more than %.0f%% of its "
                 "matmul weights outside it.%s",
                 "; ".join(breaks[:3]) + (" ..." if len(breaks) > 3 else ""),
+                100 * MAX_UNCOMPILED_SHARE,
                 fix,
             )
 
@@ -294,7 +295,6 @@ class AmpBackend:
             with self.tracing():
                 return compiled(*args, **kwargs)
 
-        run.compiled = compiled
         return run
 
     def reset(self) -> None:

@@ -127,10 +127,13 @@ class Coverage:
         modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name, _ in outside))
         return sum(p.numel() for _, p in outside) / total, modules
 
-    def enforce(self, model: torch.nn.Module, owner: str, max_share: float = MAX_UNCOMPILED_SHARE) -> None:
+    def enforce(self, model: torch.nn.Module, owner: str, max_share: float, dtype: str) -> None:
         """Before the first update: refuse (``UncompiledModelError``) a model of which more than
         ``max_share`` of the matmul/conv weight elements ran outside every compiled graph, or
-        (``max_share`` < 1) none of which was compiled; below that, warn about what ran outside."""
+        (``max_share`` < 1) none of which was compiled; below that, warn about what ran outside.
+        Where ``dtype`` is FP32 (chosen or asked for) nothing is refused: the whole run is FP32."""
+        if dtype == "fp32":
+            max_share = 1.0
         used = {id(p) for p in model.parameters() if p.grad is not None} or None
         share, modules = self.uncompiled_share(model, used)
         why = self.model_not_compiled()

@@ -124,8 +124,7 @@ class TrainStep:
         self.scaler.scale(loss / self.grad_accum).backward()
         if first:  # the first backward shows which parameters the model used; nothing is updated yet
             if any(p.requires_grad for p in self._params):
-                share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0
-                self.backend.coverage.enforce(self.model, "make_train_step", share)
+                self.backend.coverage.enforce(self.model, "make_train_step", self.max_uncompiled_share, self.dtype)
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step

@@ -69,8 +69,7 @@ class _AmpPlugin:
         if self._checked:
             return
         self._checked = True
-        share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0  # FP32 chosen: nothing to lose
-        self.backend.coverage.enforce(model, type(self).__name__, share)
+        self.backend.coverage.enforce(model, type(self).__name__, self.max_uncompiled_share, self.dtype)
 
     def forward_context(self):
         return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision

@@ -146,9 +146,9 @@ class AmpCallback(TrainerCallback):
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(module)
             forward = self._scaled(forward)
-        if name != "model" and self.trainer is not None:
-            mirror_checkpointing(self.trainer.model, module)
         if name != "model":
+            if self.trainer is not None:
+                mirror_checkpointing(self.trainer.model, module)
             # the training graph's kernels, not an inference graph's: parameters must ask for
             # gradients for autograd to build it (none is ever computed: outputs are detached)
             for p in module.parameters():
@@ -207,8 +207,7 @@ class AmpCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if not self._compile_checked and self.backend is not None:
             self._compile_checked = True  # before the first update: nothing is lost
-            share = self.max_uncompiled_share if self.dtype != "fp32" else 1.0  # FP32 chosen: nothing to lose
-            self.backend.coverage.enforce(model, "AmpCallback", share)
+            self.backend.coverage.enforce(model, "AmpCallback", self.max_uncompiled_share, self.dtype)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
