@@ -20,8 +20,11 @@ is returned in FP32. ``exact``: the projection in FP32.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+_log = logging.getLogger("amp_compiler")
 
 # Logits per block (16 MiB in FP32); backward holds about three such buffers at once
 BLOCK_ELEMENTS = 1 << 22
@@ -69,7 +72,7 @@ _FP32_OUT_MM: dict[str, bool] = {}
 
 
 def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool) -> torch.Tensor:
-    """``h @ w.T + b`` as FP32 logits, ``w`` and ``b`` (a block of them) cast here."""
+    """``h @ w.T + b`` as the GEMM wrote it (FP32 where exact or where the GEMM writes FP32)."""
     if exact:
         z = h.float() @ w.float().t()
         return z if b is None else z.add_(b)
@@ -82,18 +85,81 @@ def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bo
             return z if b is None else z.add_(b)
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUT_MM[kind] = False
-    return (h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())).float()
+    return h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
 
 
-def _chain_forward(z: torch.Tensor, chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    tanhs = []  # tanh outputs, for backward (copies: later steps work in place)
+def _chain(z: torch.Tensor, chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The chain applied to FP32 logits, and its tanh outputs (for backward)."""
+    tanhs = []
     for kind, value in chain:
         if kind == "m":
-            z = z.mul_(value)
+            z = z * value
         else:
-            z = z.tanh_()
-            tanhs.append(z.clone())
+            z = torch.tanh(z)
+            tanhs.append(z)
     return z, tanhs
+
+
+def _hit(z: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Where each row's target sits in the block (``at`` is -1 where it is not in it)."""
+    return torch.arange(z.shape[1], device=z.device) == at[:, None]
+
+
+# The per-block math below is compiled (one generated kernel a pass over the block, the
+# logits read in the GEMM's dtype and never copied to FP32 in memory); the GEMMs stay calls
+# into the BLAS. Each function is traced with dynamic shapes: one compile serves every block.
+def _stats_block(z, top, sum_exp, picked, total, at, chain, with_sum):
+    """Fold one block of logits into its rows' running statistics; log-sum-exp online."""
+    z, _ = _chain(z.float(), chain)
+    new_top = torch.maximum(top, z.amax(1))
+    sum_exp = sum_exp * torch.exp(top - new_top) + torch.exp((z - new_top[:, None]).clamp_min(EXP_FLOOR)).sum(1)
+    picked = picked + torch.where(_hit(z, at), z, 0.0).sum(1)
+    if with_sum:
+        total = total + z.sum(1)
+    return new_top, sum_exp, picked, total
+
+
+def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, with_bias):
+    """dLoss/dlogits of one block (recomputed logits in), in ``out_dtype``; and its column sums."""
+    z, tanhs = _chain(z.float(), chain)
+    dz = torch.exp((z - lse[:, None]).clamp_min(EXP_FLOOR)) * g_lse[:, None] + g_total[:, None]
+    dz = dz + torch.where(_hit(z, at), g_picked[:, None], 0.0)
+    for kind, value in reversed(chain):
+        if kind == "m":
+            dz = dz * value
+        else:
+            y = tanhs.pop()
+            dz = dz * (1 - y * y)
+    return dz.to(out_dtype), dz.sum(0) if with_bias else None
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def _kernel(fn):
+    """``fn`` compiled by Inductor, or as written where Inductor cannot compile here (warned once)."""
+    name = fn.__name__
+    if name not in _KERNELS:
+        _KERNELS[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = _KERNELS[name]
+
+    def run(*args):
+        nonlocal compiled
+        if compiled is fn:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except Exception as e:  # no C++ compiler, or a backend failure: the math is the same
+            _log.warning(
+                "amp::head_stats: Inductor could not compile the block math (%s: %s); "
+                "the head runs its blocks as eager ATen calls, slower",
+                type(e).__name__,
+                e,
+            )
+            _KERNELS[name] = compiled = fn
+            return fn(*args)
+
+    return run
 
 
 def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
@@ -112,10 +178,10 @@ def _blocks(n: int, vocab: int):
         yield slice(r, min(r + rows, n)), [slice(c, min(c + cols, vocab)) for c in range(0, vocab, cols)]
 
 
-def _in_block(target: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each row's target falls in ``cols``, and its column there (clamped if not)."""
+def _in_block(target: torch.Tensor, cols: slice) -> torch.Tensor:
+    """Each row's target's column in ``cols``, or -1 where it falls outside them."""
     inside = (target >= cols.start) & (target < cols.stop)
-    return inside, (target - cols.start).clamp_(0, cols.stop - cols.start - 1)[:, None]
+    return torch.where(inside, target - cols.start, -1)
 
 
 @torch.library.custom_op("amp::head_stats", mutates_args=())
@@ -133,23 +199,19 @@ def head_stats(
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
-    picked = h.new_zeros(n, dtype=torch.float32)
+    picked = h.new_empty(n, dtype=torch.float32)
     lse = h.new_empty(n, dtype=torch.float32)
     total = h.new_zeros(n, dtype=torch.float32)
+    fold = _kernel(_stats_block)
     for rows, col_blocks in _blocks(n, vocab):
-        top = h.new_full((rows.stop - rows.start,), float("-inf"), dtype=torch.float32)
-        sum_exp = torch.zeros_like(top)
+        m = rows.stop - rows.start
+        top = h.new_full((m,), float("-inf"), dtype=torch.float32)
+        stats = top, torch.zeros_like(top), torch.zeros_like(top), torch.zeros_like(top)
         for cols in col_blocks:
-            z, _ = _chain_forward(_project(h[rows], w[cols], None if b is None else b[cols], exact), steps)
-            inside, at = _in_block(safe[rows], cols)
-            picked[rows] = torch.where(inside, z.gather(1, at).squeeze(1), picked[rows])
-            if with_sum:
-                total[rows] += z.sum(1)
-            # log-sum-exp online over the row's vocabulary blocks, in place on the block
-            new_top = torch.maximum(top, z.amax(1))
-            sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).clamp_min_(EXP_FLOOR).exp_().sum(1))
-            top = new_top
-        lse[rows] = sum_exp.log_().add_(top)
+            z = _project(h[rows], w[cols], None if b is None else b[cols], exact)
+            stats = fold(z, *stats, _in_block(safe[rows], cols), steps, with_sum)
+        top, sum_exp, picked[rows], total[rows] = stats
+        lse[rows] = sum_exp.log() + top
     return picked, lse, total
 
 
@@ -183,26 +245,20 @@ def head_stats_backward(
     dh = torch.empty_like(h)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
+    grad = _kernel(_grad_block)
     for rows, col_blocks in _blocks(n, vocab):
         hc = h[rows].float() if exact else h[rows]
         dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
         for cols in col_blocks:
             wc = w[cols].to(grad_dtype)
-            z, tanhs = _chain_forward(_project(hc, wc, None if b is None else b[cols], exact), steps)
-            dz = z.sub_(lse[rows, None]).clamp_min_(EXP_FLOOR).exp_().mul_(g_lse[rows, None])  # softmax x dL/dlse
-            dz.add_(g_total[rows, None])
-            inside, at = _in_block(safe[rows], cols)
-            dz.scatter_add_(1, at, (g_picked[rows] * inside)[:, None])
-            for kind, value in reversed(steps):
-                if kind == "m":
-                    dz.mul_(value)
-                else:
-                    y = tanhs.pop()
-                    dz.mul_(1 - y * y)
+            z = _project(hc, wc, None if b is None else b[cols], exact)
+            at = _in_block(safe[rows], cols)
+            dl, db_cols = grad(
+                z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, grad_dtype, b is not None
+            )
+            del z
             if b is not None:
-                db[cols] += dz.sum(0)
-            dl = dz if exact else dz.to(grad_dtype)
-            del z, dz
+                db[cols] += db_cols
             dh_rows.add_(dl @ wc)
             dw[cols] += dl.t() @ hc  # this block's rows of the gradient, over these tokens
         dh[rows] = dh_rows

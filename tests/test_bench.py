@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_compiler import AmpBackend
+from amp_compiler import AmpBackend, loss_head
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -163,3 +163,22 @@ def test_roofline_divides_each_dtypes_gemms_by_that_dtypes_peak():
     assert bench.gemm_flops_by_dtype("fp32-eager", "lm-head-32k", size, flops, "bf16") == {"fp32": flops}
     assert bench.gemm_flops_by_dtype("amp-step", "lm-head-32k", size, flops, "bf16") == {"bf16": flops}
     assert bench.roofline("amp-step", "lm-sdpa", size, flops, 1.0, "bf16", {"fp32": 0.4}) is None
+
+
+def test_head_block_tool_times_both_ways_of_the_same_math(capsys):
+    import head_block
+
+    assert head_block.main(["--size", "64", "--std", "2", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("forward, ATen calls", "forward, generated", "backward, ATen calls", "backward, generated"):
+        assert name in out
+    # both sides compute the same numbers
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(16, 16, generator=g) * 16).bfloat16()
+    at = torch.randint(-1, 16, (16,), generator=g)
+    top, zeros = torch.full((16,), float("-inf")), torch.zeros(16)
+    want = head_block.eager_forward(z, top, zeros.clone(), at)
+    got = loss_head._stats_block(z, top, zeros, zeros, zeros, at, (), False)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[2], torch.where(at >= 0, want[2], 0.0))

@@ -103,9 +103,8 @@ ROWS = {
     "low_precision_outputs": Row(
         lambda t, s: True, lambda r: r.out.dtype == torch.bfloat16, step={"compile_loss": False}
     ),
-    "memory_budget": Row(
-        lambda t, s: 0.5, lambda r: bool(r.budgets) and set(r.budgets) == {0.5}, context={"inner": "inductor"}
-    ),
+    # 0.5 among the budgets: the loss head's own block kernels compile under the default
+    "memory_budget": Row(lambda t, s: 0.5, lambda r: 0.5 in r.budgets, context={"inner": "inductor"}),
     "attention": Row(lambda t, s: "fused", lambda r: r.ran(SDPA_CPU, torch.bfloat16)),
     # "off": the head runs as written (its log_softmax executes); the default fuses it
     "loss_head": Row(lambda t, s: "off", lambda r: r.ran(aten._log_softmax, torch.float32) and not r.ran_head()),
