@@ -11,7 +11,7 @@ from .config import AmpConfig, AmpConfigError
 from .distributed import PrecisionMismatchError
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
-from .onnx_export import ExportError, ExportReport, export_onnx
+from .onnx_export import ExportError, ExportReport, compile_openvino, export_onnx
 from .options import AmpOptions, AmpOptionsError
 from .passes import AmpVerifyError
 from .plan import GraphPlan, NodePlan, PrecisionPlan
@@ -30,6 +30,7 @@ __all__ = [
     "ExportError",
     "ExportReport",
     "export_onnx",
+    "compile_openvino",
     "AmpOptions",
     "AmpOptionsError",
     "AmpPolicyError",

@@ -340,7 +340,7 @@ def _add_calibrate(sub) -> None:
 def _add_export(sub) -> None:
     p = sub.add_parser(
         "export",
-        help="export a BF16 inference graph to ONNX for ONNX Runtime",
+        help="export a BF16 inference graph to ONNX for ONNX Runtime or OpenVINO",
         description="Export the model through the amp plan to ONNX; checks structure, "
         "onnx.checker and numbers before the file appears.",
     )
@@ -350,9 +350,10 @@ def _add_export(sub) -> None:
     p.add_argument(
         "--target",
         dest="target_ep",
-        choices=["cuda", "cpu"],
+        choices=["cuda", "cpu", "openvino"],
         default="cuda",
-        help="ONNX Runtime provider the graph is for",
+        help="runtime the graph is for: ONNX Runtime's CUDA or CPU provider, or OpenVINO "
+        "Runtime on a CPU with native BF16 (settings written beside the file)",
     )
     p.add_argument(
         "--dynamic", action="append", metavar="AXIS:NAME", help="dynamic axis of every input, e.g. 0:batch (repeatable)"

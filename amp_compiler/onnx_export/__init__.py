@@ -9,12 +9,14 @@ when export and checks succeeded, so a failure leaves nothing behind.
 
 Modules: ``program`` (the planned torch.export program), ``export`` (writing and moving
 into place), ``structure`` and ``parity`` (the checks), ``emulation`` (BF16 rounded
-through Cast pairs, for ORT's CPU provider), ``coverage`` (ORT's kernels per provider).
+through Cast pairs, for ORT's CPU provider), ``coverage`` (ORT's kernels per provider),
+``openvino`` (serving on OpenVINO Runtime, the executed precision per node).
 """
 
 from .base import EXPORT_DTYPES, TARGETS, ExportError
 from .emulation import emulate_low
 from .export import ExportReport, export_onnx
+from .openvino import compile_openvino, native_bf16, run_openvino
 from .parity import check_parity
 from .structure import check_structure
 
@@ -25,6 +27,9 @@ __all__ = [
     "ExportReport",
     "check_parity",
     "check_structure",
+    "compile_openvino",
     "emulate_low",
     "export_onnx",
+    "native_bf16",
+    "run_openvino",
 ]

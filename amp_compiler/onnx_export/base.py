@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in the exporter's and ORT's messages
-TARGETS = ("cuda", "cpu")
+TARGETS = ("cuda", "cpu", "openvino")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 
 

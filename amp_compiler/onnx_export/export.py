@@ -18,6 +18,8 @@ import torch
 from ..plan import GraphPlan
 from .base import ANSI, EXPORT_DTYPES, TARGETS, ExportError
 from .coverage import ORT_VERSION
+from .openvino import refuse_without_native_bf16, write_settings
+from .openvino import settings_path as openvino_settings
 from .parity import check_parity
 from .program import in_signature_order, planned_program
 from .structure import check_structure
@@ -37,15 +39,19 @@ class ExportReport:
     plan: GraphPlan
     structure: dict = field(default_factory=dict)
     parity: dict = field(default_factory=dict)
+    settings_path: str | None = None  # OpenVINO's session settings, beside the file
 
     @property
     def weight_ratio(self) -> float:
         return self.weight_bytes / max(self.fp32_weight_bytes, 1)
 
     def format(self) -> str:
+        runtime = f"ORT {self.target.upper()} (kernel table {ORT_VERSION})"
+        if self.target == "openvino":
+            runtime = "OpenVINO CPU"
         lines = [
             f"wrote {self.path}" + (f" (+ {self.data_path})" if self.data_path else ""),
-            f"  {self.dtype} for ORT {self.target.upper()} (kernel table {ORT_VERSION}), opset {self.opset}",
+            f"  {self.dtype} for {runtime}, opset {self.opset}",
             f"  weights {self.weight_bytes / 2**20:.2f} MiB = {self.weight_ratio:.2f}x the FP32 export",
             f"  plan: {self.plan.summary()['nodes']}; {self.plan.summary()['casts']} casts",
             f"  structure: {self.structure}",
@@ -58,6 +64,11 @@ class ExportReport:
                     for k, v in self.parity.items()
                     if k != "method"
                 )
+            )
+        if self.settings_path:
+            lines.append(
+                f"  serve: openvino.Core().compile_model({self.path!r}, 'CPU', "
+                f"json.load(open({self.settings_path!r})))  # or amp_compiler.compile_openvino(path)"
             )
         return "\n".join(lines)
 
@@ -79,12 +90,18 @@ def export_onnx(
 ) -> ExportReport:
     """Export ``model(*args, **kwargs)`` for ONNX Runtime serving (see the module docstring).
 
-    dtype: "bf16" (default), "fp16" or "fp32". target: "cuda" or "cpu" (ORT's CPU
-    provider has no BF16 arithmetic: dtype="bf16" with target="cpu" is refused).
+    dtype: "bf16" (default), "fp16" or "fp32". target: "cuda" or "cpu" for ONNX Runtime's
+    provider (its CPU provider has no BF16 arithmetic: dtype="bf16" with target="cpu" is
+    refused), or "openvino" for OpenVINO Runtime on a CPU with native BF16: the session
+    settings that keep the plan's precision are written beside the file
+    (``model.openvino.json``) and the check runs the file there, reading back the
+    precision each node executes in.
     Inputs and outputs stay FP32 unless ``low_precision_io``. ``check`` runs the
     structure check, onnx.checker (full) and a numeric parity check.
     """
     _validate(dtype, target)
+    if target == "openvino" and dtype == "bf16" and check:
+        refuse_without_native_bf16(doing="check a BF16 export for OpenVINO")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = in_signature_order(model, dict(kwargs or {}))
     opset = opset or 22  # BF16 Conv needs opset 22
@@ -128,10 +145,14 @@ def export_onnx(
                 fp32_bytes,
                 plan,
             )
+            if target == "openvino":
+                report.settings_path = write_settings(tmp_path)
             if check:
                 report.structure = check_structure(tmp_path, dtype, target, plan)
                 report.parity = check_parity(tmp_path, ep, args, kwargs, reference, dtype, target, tolerance)
             report.data_path = _move_into_place(tmp, path)
+            if report.settings_path:
+                report.settings_path = openvino_settings(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
@@ -150,7 +171,13 @@ def _validate(dtype: str, target: str) -> None:
             "ONNX Runtime's CPU provider cannot run BF16 arithmetic (MatMul, Add, Softmax... have no "
             "BF16 kernels; the session fails to load), so a BF16 graph for target='cpu' would be a "
             "broken file. Use dtype='fp32' (runs everywhere), dtype='fp16' (ORT CPU runs it through "
-            "its own casts), or target='cuda' for a BF16 GPU graph."
+            "its own casts), target='openvino' (OpenVINO Runtime serves BF16 on CPUs with native "
+            "BF16), or target='cuda' for a BF16 GPU graph."
+        )
+    if dtype == "fp16" and target == "openvino":
+        raise ValueError(
+            "target='openvino' serves dtype='bf16' (CPUs with AVX512-BF16 or AMX) or dtype='fp32'; "
+            "OpenVINO's CPU plugin has FP16 arithmetic only on CPUs with AVX512-FP16"
         )
 
 
@@ -232,6 +259,7 @@ def _initializer_bytes(path: str) -> int:
 
 
 def _move_into_place(tmp: str, path: str) -> str | None:
+    """Every file beside the graph first (its weights, its settings), the graph last."""
     data = None
     for name in os.listdir(tmp):
         src = os.path.join(tmp, name)
@@ -239,6 +267,7 @@ def _move_into_place(tmp: str, path: str) -> str | None:
             continue
         dest = os.path.join(os.path.dirname(os.path.abspath(path)), name)
         os.replace(src, dest)
-        data = dest
+        if name.endswith(".data"):
+            data = dest
     os.replace(os.path.join(tmp, os.path.basename(path)), path)
     return data

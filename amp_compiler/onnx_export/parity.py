@@ -8,6 +8,7 @@ control (the unrounded copy must differ).
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -128,20 +129,24 @@ def _max_err(got: list, want: list) -> tuple[float, float]:
 def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=None) -> dict:
     """Run the export and compare with PyTorch in FP32 and with the amp plan in PyTorch.
 
-    On a CUDA machine with onnxruntime-gpu: the real graph on the CUDA provider,
-    CPU fallback disabled. Otherwise, for BF16: the emulated copy on ORT CPU
-    (``emulate_low``), plus a negative control showing the rounding is real.
+    For OpenVINO: the real graph on its CPU plugin (``_openvino_parity``). On a CUDA machine
+    with onnxruntime-gpu: the real graph on the CUDA provider, CPU fallback disabled.
+    Otherwise, for BF16: the emulated copy on ORT CPU (``emulate_low``), plus a negative
+    control showing the rounding is real.
     """
-    import onnx
-    import onnxruntime as ort
-
     feeds = _flat_user_inputs(ep, args, kwargs)
     want = [t for t in pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
     with torch.no_grad():
         amp_out = [t.float() for t in pytree.tree_leaves(ep.module()(*args, **kwargs)) if isinstance(t, torch.Tensor)]
     tol = tolerance if tolerance is not None else {"bf16": 0.05, "fp16": 0.01, "fp32": 1e-4}[dtype]
-    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     result: dict[str, Any] = {}
+    if target == "openvino":  # needs no ONNX Runtime
+        got = _openvino_parity(path, feeds, dtype, result)
+        return _judged(result, got, want, amp_out, dtype, tol)
+    import onnx
+    import onnxruntime as ort
+
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     emulate = dtype == "bf16" and not (cuda and target == "cuda")
     model = onnx.load(path, load_external_data=emulate)  # the weights only where ORT runs a copy
     _refuse_random(model)
@@ -164,6 +169,10 @@ def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=Non
         providers = ["CUDAExecutionProvider"] if cuda and target == "cuda" else ["CPUExecutionProvider"]
         got = _ort_run(path, feeds, providers, disable_opt=False)
         result["method"] = f"ORT {providers[0]}" + (", CPU fallback disabled" if cuda else "")
+    return _judged(result, got, want, amp_out, dtype, tol)
+
+
+def _judged(result: dict, got: list, want: list, amp_out: list, dtype: str, tol: float) -> dict:
     result["vs_fp32_max_abs"], result["vs_fp32_max_rel"] = _max_err(got, want)
     result["vs_amp_torch_max_abs"], result["vs_amp_torch_max_rel"] = _max_err(got, amp_out)
     result["tolerance_rel"] = tol
@@ -173,3 +182,40 @@ def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=Non
             f"(relative to the largest output), above {tol} for {dtype}"
         )
     return result
+
+
+def _openvino_parity(path: str, feeds: dict, dtype: str, result: dict) -> list:
+    """The real graph on OpenVINO's CPU plugin, executed precision read back per node.
+
+    Negative control: an FP32 copy (the same BF16-valued weights, no 16-bit values) must
+    give different numbers, or OpenVINO ran the BF16 graph in FP32.
+    """
+    import tempfile
+
+    import onnx
+
+    from .openvino import compile_openvino, run_openvino
+
+    arrays = {k: v.detach().cpu().numpy() for k, v in feeds.items()}
+    compiled, executed = compile_openvino(path)
+    got = run_openvino(compiled, arrays)
+    result["method"] = "OpenVINO CPU, INFERENCE_PRECISION_HINT f32 (the plan's precision per node)"
+    result.update({f"executed_{k}": v for k, v in executed.items()})
+    if dtype == "fp32":
+        return got
+    with tempfile.TemporaryDirectory() as tmp:
+        control = os.path.join(tmp, "fp32-control.onnx")
+        plain = emulate_low(onnx.load(path), round_values=False)
+        onnx.save(plain, control, save_as_external_data=True, location="fp32-control.onnx.data")
+        fp32_compiled, _ = compile_openvino(control, check=False)
+        fp32_run = run_openvino(fp32_compiled, arrays)
+    diff, rel = _max_err(got, [torch.as_tensor(p) for p in fp32_run])
+    result["negative_control_diff"] = diff
+    if rel < 1e-5:
+        if not executed["low_nodes_16bit"]:
+            raise ExportError(
+                "OpenVINO's run of the BF16 graph matches an FP32 run of it and no node ran in "
+                "16 bit: the BF16 plan was not executed"
+            )
+        result["negative_control"] = "outputs insensitive to BF16 rounding; 16-bit nodes checked as executed"
+    return got

@@ -1,0 +1,185 @@
+"""Serving a BF16 export on OpenVINO Runtime (CPU) with the plan's precision as executed.
+
+OpenVINO's CPU plugin runs each op in the precision of its inputs when its
+``INFERENCE_PRECISION_HINT`` is ``f32``; with its default (``bf16`` on a CPU with native
+BF16) it lowers the plan's FP32 islands (LayerNorm, softmax) too. So the settings are part
+of the artifact: written beside the file and used by ``compile_openvino``, which also reads
+back, from the compiled model, the precision each node executes in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any
+
+from .base import ExportError
+from .coverage import value_types
+from .structure import FP32_ONNX_OPS, LOW_ONNX_OPS
+
+# Session settings that keep the plan: OpenVINO computes each op in its inputs' precision.
+SETTINGS = {"INFERENCE_PRECISION_HINT": "f32"}
+# Runtime layer types that must execute in FP32 whatever the ONNX node's name became
+# (LayerNormalization turns into MVN under a new name).
+FP32_RUNTIME_TYPES = frozenset({"MVN", "Softmax", "LogSoftmax", "NormalizeL2", "Reduce", "RMS"})
+GEMM_RUNTIME_TYPES = frozenset({"FullyConnected", "MatMul", "Convolution", "Deconvolution"})
+LOW_PRECISIONS = frozenset({"bf16", "f16"})
+
+
+def settings_path(path: str) -> str:
+    """``model.onnx`` -> ``model.openvino.json``: the settings OpenVINO serves it with."""
+    return os.path.splitext(path)[0] + ".openvino.json"
+
+
+def write_settings(path: str) -> str:
+    dest = settings_path(path)
+    with open(dest, "w") as f:
+        json.dump(SETTINGS, f, indent=2)
+        f.write("\n")
+    return dest
+
+
+def _core():
+    try:
+        import openvino
+    except ImportError as e:
+        raise ExportError(
+            "target='openvino' needs OpenVINO Runtime: pip install 'amp-compiler[openvino]' "
+            "(never beside onnxruntime-openvino's own copy in one environment)"
+        ) from e
+    return openvino.Core()
+
+
+def native_bf16(core=None) -> bool:
+    """Whether OpenVINO's CPU plugin computes BF16 natively here (AVX512-BF16 or AMX)."""
+    core = core or _core()
+    return "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def refuse_without_native_bf16(core=None, doing: str = "serve a BF16 export") -> None:
+    core = core or _core()
+    if native_bf16(core):
+        return
+    caps = ", ".join(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    raise ExportError(
+        f"cannot {doing} on this CPU: it has no native BF16 (OpenVINO's CPU plugin offers {caps}), "
+        "so OpenVINO would convert the BF16 graph and run it in FP32. Serve it on a CPU with "
+        "AVX512-BF16 or AMX; on this one, export dtype='fp32' with target='cpu' (ONNX Runtime) "
+        "or target='openvino'; or write the BF16 file unchecked here (check=False, --no-check) "
+        "and check it on the serving machine with compile_openvino(path)"
+    )
+
+
+def _low_onnx_nodes(model) -> tuple[list[str], list[str]]:
+    """Names of 16-bit MatMul/Gemm/Conv nodes and of nodes the policy keeps FP32."""
+    from onnx import TensorProto
+
+    types = value_types(model)
+    low = (TensorProto.BFLOAT16, TensorProto.FLOAT16)
+    low_names, fp32_names = [], []
+    for node in model.graph.node:
+        ins = [types.get(x) for x in node.input if x]
+        if node.op_type in LOW_ONNX_OPS and ins and all(t in low for t in ins):
+            low_names.append(node.name)
+        elif node.op_type in FP32_ONNX_OPS:
+            fp32_names.append(node.name)
+    return low_names, fp32_names
+
+
+def executed_precision(compiled, onnx_model) -> dict[str, Any]:
+    """The precision each planned node runs in, read from OpenVINO's compiled (runtime) model.
+
+    A 16-bit MatMul/Gemm/Conv must run in a 16-bit precision; a node the plan keeps FP32,
+    and every normalisation/softmax/reduction layer, in f32. Raises ExportError otherwise.
+    """
+    low_names, fp32_names = _low_onnx_nodes(onnx_model)
+    low_set = set(low_names)
+    ran: dict[str, tuple[str, str]] = {}  # ONNX node name -> (layer type, runtime precision)
+    by_type: Counter = Counter()
+    problems = []
+    anonymous_low = 0  # 16-bit GEMM layers named after a node fused into them (a scale Mul)
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        kind = info["layerType"].astype(str)
+        precision = info["runtimePrecision"].astype(str) if "runtimePrecision" in info else "?"
+        names = info["originalLayersNames"].astype(str).split(",")
+        for name in names:
+            ran.setdefault(name, (kind, precision))
+        if kind in FP32_RUNTIME_TYPES and precision in LOW_PRECISIONS:
+            problems.append(f"{kind} {op.get_friendly_name()} runs in {precision}; the plan keeps it FP32")
+        if kind in GEMM_RUNTIME_TYPES and precision in LOW_PRECISIONS and not low_set.intersection(names):
+            anonymous_low += 1
+        if (kind in FP32_RUNTIME_TYPES or kind in GEMM_RUNTIME_TYPES) and precision in ("f32", *LOW_PRECISIONS):
+            by_type[f"{kind} {precision}"] += 1
+    low_ok = [n for n in low_names if ran.get(n, ("", ""))[1] in LOW_PRECISIONS]
+    unnamed = [n for n in low_names if n not in ran]
+    wrong = [n for n in low_names if n in ran and n not in low_ok]
+    problems += [f"{n} (16-bit in the plan) runs as {ran[n][0]} in {ran[n][1]}" for n in wrong]
+    if len(unnamed) > anonymous_low:
+        problems.append(
+            f"{len(unnamed)} 16-bit nodes ({', '.join(unnamed[:3])}...) are not in OpenVINO's runtime model "
+            f"and only {anonymous_low} unnamed GEMM layers run in 16 bit"
+        )
+    # A fused elementwise Subgraph reports its inputs' precision, not the one inside it
+    # (where the plan's casts to FP32 are): only FP32 nodes that kept a layer of their own count.
+    own = [n for n in fp32_names if n in ran and ran[n][0] != "Subgraph"]
+    problems += [
+        f"{n} (FP32 in the plan) runs as {ran[n][0]} in {ran[n][1]}" for n in own if ran[n][1] in LOW_PRECISIONS
+    ]
+    if problems:
+        raise ExportError(
+            f"OpenVINO does not run the plan's precision ({len(problems)} nodes): " + "; ".join(problems[:5])
+        )
+    return {
+        "low_nodes_16bit": len(low_ok) + len(unnamed),
+        "low_nodes": len(low_names),
+        "fp32_nodes_f32": len(own),  # by name; every norm/softmax/reduce layer is checked by type
+        "layers": ", ".join(f"{k} x{v}" for k, v in sorted(by_type.items())),
+    }
+
+
+def _settings_for(path: str) -> dict:
+    beside = settings_path(path)
+    if not os.path.isfile(beside):
+        return dict(SETTINGS)
+    with open(beside) as f:
+        settings = json.load(f)
+    if settings.get("INFERENCE_PRECISION_HINT") != "f32":
+        raise ExportError(
+            f"{beside} sets INFERENCE_PRECISION_HINT={settings.get('INFERENCE_PRECISION_HINT')!r}: OpenVINO "
+            "would lower the plan's FP32 islands too; the plan is served with 'f32' (each op in its "
+            "inputs' precision)"
+        )
+    return settings
+
+
+def compile_openvino(path: str, *, threads: int | None = None, check: bool = True):
+    """The export at ``path`` compiled by OpenVINO for this CPU, with the settings beside it.
+
+    Returns ``(compiled_model, executed)``: ``executed`` says which precision the planned
+    nodes run in (``check`` raises ExportError where it is not the plan's). A BF16 file is
+    refused on a CPU without native BF16.
+    """
+    import onnx
+
+    if not os.path.isfile(path):
+        raise ExportError(f"no such file: {path!r}")
+    core = _core()
+    onnx_model = onnx.load(path, load_external_data=False)
+    low_names, _ = _low_onnx_nodes(onnx_model)
+    if low_names:
+        refuse_without_native_bf16(core)
+    config = _settings_for(path)
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    compiled = core.compile_model(core.read_model(path), "CPU", config)
+    executed = executed_precision(compiled, onnx_model) if check else {}
+    return compiled, executed
+
+
+def run_openvino(compiled, feeds: dict) -> list:
+    """Outputs, in the model's order, for ``feeds`` (ONNX input name -> numpy array)."""
+    names = {name for port in compiled.inputs for name in port.get_names()}
+    result = compiled.create_infer_request().infer({k: v for k, v in feeds.items() if k in names})
+    return [result[port] for port in compiled.outputs]

@@ -1,0 +1,168 @@
+"""BF16 export served by OpenVINO Runtime: the plan's precision as executed, parity, refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ConvNet, TinyLM
+
+from amp_compiler import ExportError, compile_openvino, export_onnx
+from amp_compiler.onnx_export import openvino as ov_serving
+
+pytest.importorskip("onnx")
+ov = pytest.importorskip("openvino")
+
+NATIVE = ov_serving.native_bf16()
+native_only = pytest.mark.skipif(
+    not NATIVE, reason="this CPU has no native BF16: OpenVINO would run a BF16 export in FP32 (refusal tested)"
+)
+ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def runtime_layers(compiled) -> Counter:
+    """(layer type, runtime precision) of OpenVINO's compiled model, read independently."""
+    seen = Counter()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        seen[(info["layerType"].astype(str), info["runtimePrecision"].astype(str))] += 1
+    return seen
+
+
+def llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=100,
+    )
+    return transformers.LlamaForCausalLM(config), (ids,), {"use_cache": False}
+
+
+CASES = {
+    "lm": lambda: (TinyLM(vocab=100, sdpa=True), (ids,), {}),
+    "hf_llama": llama,
+    "cnn_batchnorm": lambda: (ConvNet(), (torch.randn(2, 3, 16, 16),), {}),
+}
+
+
+@native_only
+@pytest.mark.parametrize("name", list(CASES))
+def test_openvino_runs_matmuls_in_bf16_and_fp32_islands_in_f32(name, tmp_path):
+    torch.manual_seed(0)
+    model, args, kwargs = CASES[name]()
+    path = str(tmp_path / "m.onnx")
+    report = export_onnx(model, args, path, kwargs=kwargs, target="openvino")
+    settings = tmp_path / "m.openvino.json"
+    assert report.settings_path == str(settings)
+    assert json.loads(settings.read_text()) == {"INFERENCE_PRECISION_HINT": "f32"}
+    p = report.parity
+    assert p["method"].startswith("OpenVINO CPU")
+    assert p["executed_low_nodes_16bit"] == p["executed_low_nodes"] == report.structure["low_matmul_conv"] > 0
+    assert p["vs_amp_torch_max_rel"] < 0.01 and p["vs_fp32_max_rel"] < 0.01
+    assert p["negative_control_diff"] > 0
+    # what OpenVINO compiled, with the settings beside the file, read here without the package
+    core = ov.Core()
+    compiled = core.compile_model(path, "CPU", json.loads(settings.read_text()))
+    layers = runtime_layers(compiled)
+    gemm = {k: v for k, v in layers.items() if k[0] in ("FullyConnected", "MatMul", "Convolution")}
+    assert gemm and all(prec == "bf16" for _, prec in gemm), gemm
+    islands = {k: v for k, v in layers.items() if k[0] in ("MVN", "Softmax", "RMS")}
+    assert all(prec == "f32" for _, prec in islands), islands
+    if name != "cnn_batchnorm":
+        assert islands, layers  # LayerNorm/RMSNorm and softmax are there, and ran in FP32
+
+
+@native_only
+def test_openvino_default_hint_would_lower_fp32_islands_and_is_refused(tmp_path):
+    """OpenVINO's own default (bf16) lowers LayerNorm and softmax: the check catches it."""
+    import onnx
+
+    path = str(tmp_path / "m.onnx")
+    export_onnx(TinyLM(vocab=100), (ids,), path, target="openvino")
+    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    assert ("MVN", "bf16") in runtime_layers(compiled)  # the negative control is real
+    with pytest.raises(ExportError, match=r"MVN .* runs in bf16; the plan keeps it FP32"):
+        ov_serving.executed_precision(compiled, onnx.load(path, load_external_data=False))
+    (tmp_path / "m.openvino.json").write_text(json.dumps({"INFERENCE_PRECISION_HINT": "bf16"}))
+    with pytest.raises(ExportError, match="would lower the plan's FP32 islands"):
+        compile_openvino(path)
+
+
+@native_only
+def test_compile_openvino_serves_the_file_as_checked(tmp_path):
+    path = str(tmp_path / "m.onnx")
+    model = TinyLM(vocab=100).eval()
+    export_onnx(model, (ids,), path, target="openvino")
+    compiled, executed = compile_openvino(path, threads=1)
+    assert executed["low_nodes_16bit"] == executed["low_nodes"] > 0
+    assert compiled.get_property("INFERENCE_NUM_THREADS") == 1
+    (got,) = ov_serving.run_openvino(compiled, {compiled.inputs[0].any_name: ids.numpy()})
+    with torch.no_grad():
+        want = model(ids)
+    assert (torch.as_tensor(got) - want).abs().max() / want.abs().max() < 0.01
+
+
+@native_only
+def test_openvino_fp32_export_stays_fp32(tmp_path):
+    report = export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "m.onnx"), dtype="fp32", target="openvino")
+    assert report.parity["executed_low_nodes"] == 0 and report.parity["vs_fp32_max_rel"] < 1e-4
+    compiled, _ = compile_openvino(str(tmp_path / "m.onnx"))
+    assert not [k for k in runtime_layers(compiled) if k[1] == "bf16"]
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    """A CPU without native BF16: this one where it is, else the CPU itself."""
+    if NATIVE:
+        monkeypatch.setattr(ov_serving, "native_bf16", lambda core=None: False)
+
+
+def test_openvino_bf16_is_refused_without_native_bf16_and_nothing_is_written(tmp_path, no_native_bf16):
+    with pytest.raises(ExportError, match=r"no native BF16.*dtype='fp32'.*check=False"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "m.onnx"), target="openvino")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_openvino_file_written_unchecked_elsewhere_is_refused_at_serving(tmp_path, no_native_bf16):
+    path = str(tmp_path / "m.onnx")
+    report = export_onnx(TinyLM(vocab=100), (ids,), path, target="openvino", check=False)
+    assert os.path.exists(path) and os.path.exists(report.settings_path) and not report.parity
+    with pytest.raises(ExportError, match="no native BF16"):
+        compile_openvino(path)
+
+
+def test_openvino_takes_no_fp16(tmp_path):
+    with pytest.raises(ValueError, match="target='openvino' serves dtype='bf16'"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "m.onnx"), dtype="fp16", target="openvino")
+    assert list(tmp_path.iterdir()) == []
+
+
+@native_only
+def test_openvino_failed_check_leaves_nothing(tmp_path):
+    with pytest.raises(ExportError, match="differs from the FP32 model"):
+        export_onnx(TinyLM(vocab=100), (ids,), str(tmp_path / "m.onnx"), target="openvino", tolerance=0.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@native_only
+def test_cli_export_target_openvino(tmp_path):
+    models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
+    out = tmp_path / "cli.onnx"
+    res = subprocess.run(
+        [sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny", "-o", str(out), "--target", "openvino"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "for OpenVINO CPU" in res.stdout and "serve: openvino.Core().compile_model" in res.stdout
+    assert out.exists() and (tmp_path / "cli.openvino.json").exists()
