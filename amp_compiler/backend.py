@@ -95,6 +95,7 @@ class AmpBackend:
         mode: str | None = None,
     ) -> Callable:
         opts = self.options.replace(**options) if options else self.options
+        _watch_recompile_limit()
         record = self.rewrite(gm, example_inputs, opts)
         self._warn_breaks(record)
         budget = opts.memory_budget
@@ -324,4 +325,34 @@ def _compiled_autograd_graph() -> bool:
 
 # The instance ``torch.compile(m, backend="amp")`` resolves to through the
 # ``torch_dynamo_backends`` entry point. It records every graph compiled by name.
+class _RecompileLimitFilter(logging.Filter):
+    """Dynamo's recompile-limit warning, said again in amp's terms: past the limit a function
+    runs as written, which for a function amp compiled means FP32, outside the plan."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("torch._dynamo hit config.") and "recompile_limit" in message:
+            lines = message.splitlines()
+            function = next((x.split(":", 1)[1].strip() for x in lines if x.strip().startswith("function:")), "?")
+            log.warning(
+                "amp: Dynamo compiled %s as often as its recompile limit allows (%s) and now runs it as "
+                "written: if amp compiled it, in FP32, outside the plan. Each new input shape (or dtype, "
+                "or module instance of one class) is a recompile under dynamic=False: leave dynamic at "
+                "its default, mark the varying sizes (torch._dynamo.mark_dynamic), or raise the limit "
+                "(torch.compile(..., recompile_limit=64) on torch >= 2.13, or torch._dynamo.config.recompile_limit)",
+                function,
+                lines[0].split("(", 1)[-1].rstrip(")"),
+            )
+        return True
+
+
+_RECOMPILE_FILTER = _RecompileLimitFilter()
+
+
+def _watch_recompile_limit() -> None:
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if _RECOMPILE_FILTER not in logger.filters:
+        logger.addFilter(_RECOMPILE_FILTER)
+
+
 amp = AmpBackend()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -357,3 +358,15 @@ def test_output_matches_the_plans_oracle_and_a_dropped_fp32_softmax_fails(softma
         assert err > 1e-4, err
     else:
         assert err <= 1e-6, err
+
+
+def test_dynamo_recompile_limit_is_said_in_amps_terms(caplog):
+    """Past Dynamo's recompile limit a function runs as written (FP32 for amp): amp says so."""
+    model = MLP()
+    compiled = torch.compile(model, backend="amp", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, "amp_compiler"):
+        for batch in (2, 3, 4):
+            compiled(torch.randn(batch, 16))
+    said = [r.getMessage() for r in caplog.records if r.name == "amp_compiler" and "recompile limit" in r.getMessage()]
+    assert len(said) == 1 and "runs it as written" in said[0] and "FP32, outside the plan" in said[0], said
+    assert "'forward'" in said[0] and "(2)" in said[0]

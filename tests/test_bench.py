@@ -182,3 +182,24 @@ def test_head_block_tool_times_both_ways_of_the_same_math(capsys):
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     torch.testing.assert_close(got[2], torch.where(at >= 0, want[2], 0.0))
+
+
+def test_serve_bench_times_every_served_form_and_names_what_it_skipped(tmp_path, capsys):
+    import serve_bench
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "serve.json"
+    argv = ["--d", "32", "--layers", "1", "--vocab", "64", "--shapes", "2x16", "--reps", "2", "--json", str(out)]
+    assert serve_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    timed = set(result["shapes"]["2x16"])
+    # every variant is timed or skipped with the reason, never both, never neither
+    assert timed | set(result["skipped"]) == set(serve_bench.VARIANTS) and not timed & set(result["skipped"])
+    assert {"eager-fp32", "autocast-inductor", "amp", "ort-cpu-fp32"} <= timed
+    assert result["shapes"]["2x16"]["ort-cpu-fp32"]["vs_ort-cpu-fp32"] == 1.0
+    if "openvino-bf16" not in timed:
+        why = result["skipped"]["openvino-bf16"]
+        assert "no native BF16" in why or "openvino" in why, why
+    assert all(v["peak_rss_bytes"] > 2**20 and v["disk_bytes"] > 0 for v in result["variants"].values())
+    assert "| 2x16 | amp |" in capsys.readouterr().out
