@@ -39,7 +39,7 @@ SAME = {aten.contiguous.default, aten.clone.default, aten.alias.default}
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 ROW_OPS = RESHAPES | {aten.flatten.using_ints, aten.slice.Tensor, aten.select.int}
 SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
-TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
 # gather has no ignore_index: every negative index is an error, as gather's own
 NO_IGNORE = -(1 << 62)
 
@@ -210,11 +210,16 @@ class _Fusion:
             b = _arg(head, 2, "bias", None)
         else:
             h, wt = head.args
+            # `h @ emb.weight.T` (a tied head written out): the plan's cast sits after the transpose
+            while isinstance(wt, torch.fx.Node) and wt.target in CASTS and len(wt.users) == 1:
+                wt = wt.args[0]
             if not (isinstance(wt, torch.fx.Node) and wt.target in TRANSPOSES and _val(wt).dim() == 2):
                 raise _NotFused(f"'{head.name}' multiplies by a matrix that is not a transposed weight")
             if wt.target is aten.permute.default and list(wt.args[1]) not in ([1, 0], [-1, -2]):
                 raise _NotFused(f"'{wt.name}' is not a transpose")
             w, b = wt.args[0], None
+            while isinstance(w, torch.fx.Node) and w.target in CASTS:  # the op casts the master weight itself
+                w = w.args[0]
         if _val(w) is None or _val(w).dim() != 2 or _val(h).dim() < 1:
             raise _NotFused(f"'{head.name}' is not a vocabulary projection")
         if _val(h).shape[-1] != _val(w).shape[1]:

@@ -354,6 +354,26 @@ def test_tied_weights_get_one_gradient():
     assert cosine(model.emb.weight.grad.flatten(), plain.emb.weight.grad.flatten()) > 0.999
 
 
+class WrittenOutTiedHead(Decoder):
+    """``h @ self.emb.weight.T``: the tied head as nanoGPT-style code writes it, no nn.Linear."""
+
+    def forward(self, ids, labels):
+        return _hf(self.body(self.emb(ids)) @ self.emb.weight.T, labels)
+
+
+def test_a_tied_head_written_as_a_matmul_is_fused():
+    torch.manual_seed(0)
+    model = WrittenOutTiedHead("hf")
+    plain = copy.deepcopy(model)
+    done, rec, (loss,), _ = _run(model, "fused")
+    _, _, (loss_off,), _ = _run(plain, "off")
+    (head,) = _fused(done)
+    assert head["kind"] == "cross_entropy" and head["vocab"] == V
+    assert rec.dtypes_of(HEAD) == [[torch.bfloat16, torch.float32]] * len(rec.dtypes_of(HEAD))
+    assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
+    assert cosine(model.emb.weight.grad.flatten(), plain.emb.weight.grad.flatten()) > 0.999
+
+
 def test_dynamic_sequence_lengths_compile_once():
     """Under dynamic=True two sequence lengths share one fused graph (no size guard)."""
     torch.manual_seed(0)
