@@ -45,7 +45,7 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from amp_compiler.inductor_passes.infra import InductorPass
+        from amp_compiler.inductor_passes.infra import InductorPass, InductorPasses
 
         patches = {}
         if mode and mode != "default":
@@ -54,10 +54,10 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
             patches = dict(list_mode_options(mode))
         # backward reads the 16-bit copies of FP32 islands that are saved anyway, and
         # recomputes comparison masks instead of saving bool tensors (slow C++ code)
-        patches["joint_custom_pre_pass"] = [
+        patches["joint_custom_pre_pass"] = InductorPasses(
             InductorPass("amp_compiler.inductor_passes.saved_copies", "reuse_saved_copies"),
             InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks"),
-        ]
+        )
         if memory_budget is None:
             # the default budget recomputes activations, not the parameters' 16-bit copies
             from amp_compiler.inductor_passes.weight_copies import WeightCopiesSaved

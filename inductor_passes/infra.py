@@ -27,3 +27,20 @@ class InductorPass(CustomGraphPass):
             with open(path, "rb") as f:
                 digest.update(f.read())
         return digest.digest()
+
+
+class InductorPasses(CustomGraphPass):
+    """Several passes as one: Inductor before 2.13 takes one custom pass per hook, not a list."""
+
+    def __init__(self, *passes: InductorPass):
+        self.passes = passes
+
+    def __call__(self, graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> bytes:
+        digest = hashlib.sha256()
+        for p in self.passes:
+            digest.update(p.uuid())
+        return digest.digest()

@@ -346,3 +346,27 @@ def test_kernels_do_not_grow_with_depth(monkeypatch, no_caches):
 
     assert distinct_kernels(2, REALIZE_READS, monkeypatch) == distinct_kernels(5, REALIZE_READS, monkeypatch)
     assert distinct_kernels(5, 4, monkeypatch) > distinct_kernels(2, 4, monkeypatch)
+
+
+def test_joint_passes_are_one_custom_pass_for_every_inductor():
+    """Inductor before 2.13 takes one callable per hook (a list failed: 'list' object is not
+    callable, seen with torch 2.11 on CUDA); both passes run, in order, under one cache key."""
+    from amp_compiler.inductor_passes.infra import InductorPass, InductorPasses
+
+    ran = []
+
+    class Stub(InductorPass):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __call__(self, graph):
+            ran.append((self.tag, graph))
+
+        def uuid(self):
+            return self.tag.encode()
+
+    passes = InductorPasses(Stub("a"), Stub("b"))
+    passes("g")
+    assert ran == [("a", "g"), ("b", "g")]
+    assert passes.uuid() != InductorPasses(Stub("b"), Stub("a")).uuid()
+    assert callable(passes) and not isinstance(passes, list)
