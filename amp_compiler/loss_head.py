@@ -3,7 +3,8 @@
 A language model's loss reads three numbers per token of its logits: the target's
 logit, the log-sum-exp and (label smoothing only) the sum over the vocabulary. One
 opaque op, ``amp::head_stats``, computes them block by block (a block: up to
-``MAX_ROWS`` tokens x as many vocabulary entries as make ``BLOCK_ELEMENTS`` logits), the
+``MAX_ROWS`` tokens x as many vocabulary entries as make ``BLOCK_ELEMENTS`` logits, 16x
+that on a GPU), the
 log-sum-exp online across a row's vocabulary blocks. The logits (tokens x vocabulary,
 the largest activation of the model) exist one block at a time and are never saved:
 backward recomputes each block from ``h`` and ``w`` and writes that block's rows of the
@@ -30,6 +31,11 @@ _log = logging.getLogger("amp_compiler")
 BLOCK_ELEMENTS = 1 << 22
 # Tokens per block at most: the weight's gradient is a GEMM over this many tokens
 MAX_ROWS = 8192
+# A GPU's blocks are 16x larger (256 MiB of FP32 logits): per block the op pays a few kernel
+# launches and a compiled call's guards, which at CPU-sized blocks made the head of a 50k
+# vocabulary decoder (8 x 1024 tokens) 12x slower than unfused on an H200; 16x fewer
+# blocks (and 4x the tokens): 4.6x faster, still 0.72x of the unfused head's memory
+GPU_SCALE = 16
 MIN_COLS = 256
 # Below this many classes the logits are small beside the model's other activations
 MIN_VOCAB = 8192
@@ -41,12 +47,13 @@ MIN_VOCAB = 8192
 EXP_FLOOR = -87.0
 
 
-def block_shape(tokens: int | None, vocab: int) -> tuple[int | None, int | None]:
+def block_shape(tokens: int | None, vocab: int, device: str = "cpu") -> tuple[int | None, int | None]:
     """(tokens, vocabulary entries) of a block; None where ``tokens`` is not known."""
     if tokens is None:
         return None, None
-    rows = max(1, min(int(tokens), MAX_ROWS))
-    cols = max(MIN_COLS, BLOCK_ELEMENTS // rows)
+    gpu = device != "cpu"
+    rows = max(1, min(int(tokens), MAX_ROWS * (4 if gpu else 1)))
+    cols = max(MIN_COLS, BLOCK_ELEMENTS * (GPU_SCALE if gpu else 1) // rows)
     return rows, min(cols, int(vocab))
 
 
@@ -171,9 +178,9 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch
     return valid
 
 
-def _blocks(n: int, vocab: int):
+def _blocks(n: int, vocab: int, device: str = "cpu"):
     """(token rows, vocabulary columns) of every block, rows outermost."""
-    rows, cols = block_shape(n, vocab)
+    rows, cols = block_shape(n, vocab, device)
     for r in range(0, n, rows):
         yield slice(r, min(r + rows, n)), [slice(c, min(c + cols, vocab)) for c in range(0, vocab, cols)]
 
@@ -203,7 +210,7 @@ def head_stats(
     lse = h.new_empty(n, dtype=torch.float32)
     total = h.new_zeros(n, dtype=torch.float32)
     fold = _kernel(_stats_block)
-    for rows, col_blocks in _blocks(n, vocab):
+    for rows, col_blocks in _blocks(n, vocab, h.device.type):
         m = rows.stop - rows.start
         top = h.new_full((m,), float("-inf"), dtype=torch.float32)
         stats = top, torch.zeros_like(top), torch.zeros_like(top), torch.zeros_like(top)
@@ -246,7 +253,7 @@ def head_stats_backward(
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
     grad = _kernel(_grad_block)
-    for rows, col_blocks in _blocks(n, vocab):
+    for rows, col_blocks in _blocks(n, vocab, h.device.type):
         hc = h[rows].float() if exact else h[rows]
         dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
         for cols in col_blocks:

@@ -244,7 +244,7 @@ class _Fusion:
         low = _val(head).dtype  # what the head as written computes (and keeps) its logits in
         dims = _val(self.logits).shape[:-1]  # Size.numel() would specialise symbolic sizes
         tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
-        rows, cols = block_shape(tokens, vocab)
+        rows, cols = block_shape(tokens, vocab, _val(h).device.type)
         blocks = f"blocks of {rows} tokens x {cols} vocabulary entries" if rows else "blocks of 4M logits"
         with self.graph.inserting_before(self.node):
             x = h
