@@ -203,3 +203,17 @@ def test_serve_bench_times_every_served_form_and_names_what_it_skipped(tmp_path,
         assert "no native BF16" in why or "openvino" in why, why
     assert all(v["peak_rss_bytes"] > 2**20 and v["disk_bytes"] > 0 for v in result["variants"].values())
     assert "| 2x16 | amp |" in capsys.readouterr().out
+
+
+def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys):
+    import head_decoder
+
+    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "32", "--reps", "1"]
+    with torch.profiler.profile() as prof:
+        assert head_decoder.main(argv + ["--variants", "autocast-inductor,fused"]) == 0
+    assert any(e.name == "amp::head_stats" for e in prof.events())  # the tied matmul head was fused
+    assert head_decoder.main(argv + ["--variants", "off,exact"]) == 0
+    out = capsys.readouterr().out
+    for k in head_decoder.VARIANTS:
+        assert f"{k}: " in out
+    assert "vocabulary 8192" in out

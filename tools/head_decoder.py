@@ -1,0 +1,130 @@
+"""The loss head's variants on a decoder written as users write one, one training step each.
+
+    python tools/head_decoder.py                      # CPU: 2 x 1024 tokens; CUDA: 8 x 1024
+    python tools/head_decoder.py --variants autocast-inductor,fused,off
+
+A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
+``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
+of FP32 logits: logits spread ~16, as at step 0 of a model trained from scratch. Variants,
+interleaved in one process from the same weights, each forward + backward + AdamW: Inductor
++ autocast BF16, and ``torch.compile(backend=AmpBackend(loss_head=...))`` with the head
+fused (the default), unfused (``off``) and ``exact``. Prints median step times, the ratio to
+Inductor + autocast, and on CUDA each step's peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amp_compiler import AmpBackend
+
+VARIANTS = ("autocast-inductor", "fused", "off", "exact")
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, seq: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids, labels):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        h = self.norm(self.body(self.emb(ids) + self.pos[: ids.shape[1]], mask=mask, is_causal=True))
+        logits = h @ self.emb.weight.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+
+
+def make_step(kind: str, model: nn.Module, ids, labels, device: str):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if kind == "autocast-inductor":
+        compiled = torch.compile(model)
+
+        def loss():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                return compiled(ids, labels)
+    else:
+        compiled = AmpBackend(loss_head=kind).compile(model)
+
+        def loss():
+            return compiled(ids, labels)
+
+    def step():
+        value = loss()
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return value
+
+    return step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    kinds = [k for k in args.variants.split(",") if k]
+    if bad := [k for k in kinds if k not in VARIANTS]:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = args.batch or (8 if device == "cuda" else 2)
+    torch.manual_seed(0)
+    base = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
+    ids = torch.randint(0, args.vocab, (batch, args.seq), device=device)
+    labels = torch.randint(0, args.vocab, (batch, args.seq), device=device)
+    steps = {}
+    for k in kinds:
+        model = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
+        model.load_state_dict(base.state_dict())
+        steps[k] = make_step(k, model, ids, labels, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    peak = {}
+    for k, step in steps.items():
+        step()
+        step()
+        if device == "cuda":
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            sync()
+            peak[k] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    times = {k: [] for k in kinds}
+    for _ in range(args.reps):
+        for k, step in steps.items():
+            sync()
+            t = time.perf_counter()
+            step()
+            sync()
+            times[k].append(time.perf_counter() - t)
+    ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}")
+    for k in kinds:
+        ms = statistics.median(times[k]) * 1e3
+        line = f"{k}: {ms:.1f} ms"
+        if ref:
+            line += f"  {ms / ref / 1e3:.2f}x autocast-inductor"
+        if k in peak:
+            line += f"  peak {peak[k]:.0f} MiB"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
