@@ -323,8 +323,6 @@ def _compiled_autograd_graph() -> bool:
     return getattr(compile_id, "compiled_autograd_id", None) is not None
 
 
-# The instance ``torch.compile(m, backend="amp")`` resolves to through the
-# ``torch_dynamo_backends`` entry point. It records every graph compiled by name.
 class _RecompileLimitFilter(logging.Filter):
     """Dynamo's recompile-limit warning, said again in amp's terms: past the limit a function
     runs as written, which for a function amp compiled means FP32, outside the plan."""
@@ -355,4 +353,6 @@ def _watch_recompile_limit() -> None:
         logger.addFilter(_RECOMPILE_FILTER)
 
 
+# The instance ``torch.compile(m, backend="amp")`` resolves to through the
+# ``torch_dynamo_backends`` entry point. It records every graph compiled by name.
 amp = AmpBackend()

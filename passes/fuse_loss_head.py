@@ -210,16 +210,12 @@ class _Fusion:
             b = _arg(head, 2, "bias", None)
         else:
             h, wt = head.args
-            # `h @ emb.weight.T` (a tied head written out): the plan's cast sits after the transpose
-            while isinstance(wt, torch.fx.Node) and wt.target in CASTS and len(wt.users) == 1:
-                wt = wt.args[0]
+            wt = _source(wt)  # `h @ emb.weight.t()`: the plan's cast can sit after the transpose
             if not (isinstance(wt, torch.fx.Node) and wt.target in TRANSPOSES and _val(wt).dim() == 2):
                 raise _NotFused(f"'{head.name}' multiplies by a matrix that is not a transposed weight")
             if wt.target is aten.permute.default and list(wt.args[1]) not in ([1, 0], [-1, -2]):
                 raise _NotFused(f"'{wt.name}' is not a transpose")
             w, b = wt.args[0], None
-            while isinstance(w, torch.fx.Node) and w.target in CASTS:  # the op casts the master weight itself
-                w = w.args[0]
         if _val(w) is None or _val(w).dim() != 2 or _val(h).dim() < 1:
             raise _NotFused(f"'{head.name}' is not a vocabulary projection")
         if _val(h).shape[-1] != _val(w).shape[1]:

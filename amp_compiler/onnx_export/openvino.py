@@ -90,14 +90,15 @@ def _low_onnx_nodes(model) -> tuple[list[str], list[str], set[str]]:
     return low_names, fp32_names, reads_low
 
 
-def executed_precision(compiled, onnx_model) -> dict[str, Any]:
+def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
     """The precision each planned node runs in, read from OpenVINO's compiled (runtime) model.
 
     A 16-bit MatMul/Gemm/Conv must run in a 16-bit precision; no GEMM layer may run in f32
     under the name of a node that reads 16-bit values; a node the plan keeps FP32, and every
     normalisation/softmax/reduction layer, runs in f32. Raises ExportError otherwise.
+    ``nodes``: ``_low_onnx_nodes(onnx_model)`` where the caller has it (shape inference).
     """
-    low_names, fp32_names, reads_low = _low_onnx_nodes(onnx_model)
+    low_names, fp32_names, reads_low = nodes or _low_onnx_nodes(onnx_model)
     ran: dict[str, tuple[str, str]] = {}  # ONNX node name -> (layer type, runtime precision)
     by_type: Counter = Counter()
     problems = []
@@ -168,14 +169,14 @@ def compile_openvino(path: str, *, threads: int | None = None, check: bool = Tru
         raise ExportError(f"no such file: {path!r}")
     core = _core()
     onnx_model = onnx.load(path, load_external_data=False)
-    low_names, _, _ = _low_onnx_nodes(onnx_model)
-    if low_names:
+    nodes = _low_onnx_nodes(onnx_model)
+    if nodes[0]:  # 16-bit matmuls: BF16 arithmetic must be native here
         refuse_without_native_bf16(core)
     config = _settings_for(path)
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     compiled = core.compile_model(core.read_model(path), "CPU", config)
-    executed = executed_precision(compiled, onnx_model) if check else {}
+    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
     return compiled, executed
 
 
