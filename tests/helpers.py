@@ -161,6 +161,23 @@ class ConvNet(nn.Module):
         return self.head(self.features(x))
 
 
+def tiny_llama(attn: str | None = None) -> nn.Module:
+    """transformers' Llama from a small config (2 layers, d=32, one KV head, 100 tokens)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=100,
+        **({"attn_implementation": attn} if attn else {}),
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend
+from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend, tiny_llama
 
 from amp_compiler import AmpBackend
 
@@ -38,16 +38,7 @@ def gpt2():
 
 
 def llama(attn="sdpa"):
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=100,
-        attn_implementation=attn,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(attn)
 
 
 def bert():

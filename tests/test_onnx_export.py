@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import ConvNet, TinyLM
+from helpers import ConvNet, TinyLM, tiny_llama
 
 from amp_compiler import ExportError, export_onnx
 from amp_compiler.onnx_export import emulate_low
@@ -69,20 +69,6 @@ def gpt2():
     )
 
 
-def llama():
-    transformers = _hf()
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=64,
-            vocab_size=100,
-        )
-    )
-
-
 def bert():
     transformers = _hf()
     return transformers.BertModel(
@@ -94,7 +80,7 @@ def bert():
 
 CASES = {
     "gpt2": (gpt2, (ids,), {"use_cache": False}),
-    "llama": (llama, (ids,), {"use_cache": False}),
+    "llama": (tiny_llama, (ids,), {"use_cache": False}),
     "bert_encoder": (bert, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
     "softmax_attention": (lambda: TinyLM(vocab=100), (ids,), {}),
     "sdpa": (lambda: TinyLM(vocab=100, sdpa=True), (ids,), {}),
@@ -128,7 +114,7 @@ def test_export_bf16_follows_plan_half_weights_parity(name, tmp_path):
 def test_export_dynamic_batch_and_sequence(tmp_path):
     from torch.export import Dim
 
-    model = llama()
+    model = tiny_llama()
     path = str(tmp_path / "dyn.onnx")
     batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=256)
     export_onnx(
@@ -398,7 +384,7 @@ def test_export_left_padded_batch_stays_finite(tmp_path):
     """Left padding under a causal mask leaves a padding query nothing to attend: SDPA gives
     zeros there, and so must the export (plain Softmax gives NaN, which spreads to every row)."""
     torch.manual_seed(0)
-    model = llama().eval()
+    model = tiny_llama().eval()
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     path = str(tmp_path / "padded.onnx")

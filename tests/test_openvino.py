@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
-from helpers import ConvNet, TinyLM
+from helpers import ConvNet, TinyLM, cli_here, tiny_llama
 
 from amp_compiler import ExportError, compile_openvino, export_onnx
 from amp_compiler.onnx_export import openvino as ov_serving
@@ -34,22 +32,9 @@ def runtime_layers(compiled) -> Counter:
     return seen
 
 
-def llama():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=100,
-    )
-    return transformers.LlamaForCausalLM(config), (ids,), {"use_cache": False}
-
-
 CASES = {
     "lm": lambda: (TinyLM(vocab=100, sdpa=True), (ids,), {}),
-    "hf_llama": llama,
+    "hf_llama": lambda: (tiny_llama(), (ids,), {"use_cache": False}),
     "cnn_batchnorm": lambda: (ConvNet(), (torch.randn(2, 3, 16, 16),), {}),
 }
 
@@ -154,17 +139,13 @@ def test_openvino_failed_check_leaves_nothing(tmp_path):
 
 
 @native_only
-def test_cli_export_target_openvino(tmp_path):
+def test_cli_export_target_openvino(tmp_path, capsys):
+    """The entry point's subprocess is test_onnx_export's; this is the same command here."""
     models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
     out = tmp_path / "cli.onnx"
-    res = subprocess.run(
-        [sys.executable, "-m", "amp_compiler", "export", f"{models}:tiny", "-o", str(out), "--target", "openvino"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "for OpenVINO CPU" in res.stdout and "serve: openvino.Core().compile_model" in res.stdout
+    code, stdout, err = cli_here(capsys, "export", f"{models}:tiny", "-o", str(out), "--target", "openvino")
+    assert code == 0, err[-2000:]
+    assert "for OpenVINO CPU" in stdout and "serve: openvino.Core().compile_model" in stdout
     assert out.exists() and (tmp_path / "cli.openvino.json").exists()
 
 
