@@ -16,6 +16,7 @@ Tests replace ``native_dtypes`` to play other devices.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 
@@ -165,3 +166,21 @@ def device_of(example_inputs) -> torch.device:
         if isinstance(x, torch.Tensor):
             return x.device
     return torch.device("cpu")
+
+
+def memory_bytes(device: torch.device) -> int:
+    """The memory a job on ``device`` can hold: a GPU's total memory; on CPU the machine's RAM,
+    or the container's limit (cgroup) where that is smaller. Totals, not what is free now:
+    the same figure at every compile and on every rank of a uniform job."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            ram = min(ram, int(limit))
+    return int(ram)

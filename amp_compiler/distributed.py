@@ -9,6 +9,8 @@ says to configure precision once, globally. Two checks, used by
   if any rank lacks BF16, all ranks fall back to FP16 together (to FP32 if any
   rank has no fast 16 bit at all). An explicit
   dtype that differs between ranks is an error.
+- ``agree_on_memory``: the memory the loss head's automatic choice weighs, the smallest
+  rank's, so that choice is the same everywhere.
 - ``check_same_plan``: after the first compile, the plans' fingerprints (every
   node's op and precision) are compared; a difference names the ranks.
 """
@@ -58,6 +60,14 @@ def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tupl
                 f"({choices[first][2]}); every rank uses {then}"
             )
     return choice, f"{reason}; agreed across {len(choices)} ranks"
+
+
+def agree_on_memory(nbytes: int, group=None) -> int:
+    """The smallest of every rank's ``nbytes``: the memory ``loss_head="auto"`` weighs the
+    logits against, so every rank makes the same choice and runs one plan."""
+    if not _active(group):
+        return nbytes
+    return min(_gather(int(nbytes), group))
 
 
 def any_rank(flag):

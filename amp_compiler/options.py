@@ -16,7 +16,7 @@ from .policy import Policy
 DTYPES = ("bf16", "fp16", "fp32", "auto")
 INNER_NAMES = ("inductor", "aot_eager", "eager")
 ATTENTION = ("auto", "fused", "explicit")
-LOSS_HEAD = ("fused", "exact", "off")
+LOSS_HEAD = ("auto", "fused", "exact", "off")
 _DTYPE_ALIASES = {
     "bf16": "bf16",
     "bfloat16": "bf16",
@@ -78,14 +78,21 @@ class AmpOptions:
         sequence). Either way a trainable float mask on CPU is written out:
         the fused kernel cannot give its gradient.
     loss_head: the language-model loss head (vocabulary projection into
-        cross-entropy, or log_softmax + gather of target log-probs). "fused"
-        (default): one op computes each token's log-sum-exp and target logit in
-        blocks of tokens x vocabulary, the projection in the low dtype and the rest in
-        FP32; the logits are never stored for backward (recomputed per block) nor made
-        FP32 as a whole. "exact": the same with the projection in FP32 (log-probs within
-        1e-3 nats of FP64). "off": the head runs as written. A head that cannot
-        be fused stays as written, with the reason in the plan; logits the graph
-        also returns or uses elsewhere are kept as written.
+        cross-entropy, or log_softmax + gather of target log-probs). "fused": one op
+        computes each token's log-sum-exp and target logit in blocks of tokens x
+        vocabulary, the projection in the low dtype and the rest in FP32; the logits
+        are never stored for backward (recomputed per block) nor made FP32 as a whole.
+        "auto" (default): fused where the logits the head as written keeps for
+        backward would take at least 1/8 of ``memory_bytes``, else as written (it is
+        faster: fusing recomputes the projection in backward), the choice and its
+        figures in the plan. "exact": fused with the projection in FP32 (log-probs
+        within 1e-3 nats of FP64). "off": the head runs as written. A head that
+        cannot be fused stays as written, with the reason in the plan; logits the
+        graph also returns or uses elsewhere are kept as written.
+    memory_bytes: the memory ``loss_head="auto"`` weighs the logits against. None
+        (default): the device's total (a GPU's memory; on CPU the RAM, or the
+        container's limit where smaller); ``make_train_step`` in a distributed job
+        sets the smallest across ranks, so every rank makes the same choice.
     dump_dir: write the graph after every pass to this directory.
     policy_file: a calibrated policy file (``amp_compiler.calibrate``, see
         docs/calibration.md): its pins and overrides join these options; options
@@ -104,7 +111,8 @@ class AmpOptions:
     low_precision_outputs: bool = False
     memory_budget: float | None = None
     attention: str = "auto"
-    loss_head: str = "fused"
+    loss_head: str = "auto"
+    memory_bytes: int | None = None
     dump_dir: str | None = None
     policy_file: str | None = None
     policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -163,8 +171,12 @@ class AmpOptions:
         if self.loss_head not in LOSS_HEAD:
             raise AmpOptionsError(
                 f"loss_head={self.loss_head!r} is not valid; use one of {LOSS_HEAD} "
-                "(fused: chunked 16-bit projection, FP32 log-sum-exp; exact: FP32 projection; off: as written)"
+                "(auto: fused where the logits would take 1/8 of the memory; fused: chunked 16-bit projection, "
+                "FP32 log-sum-exp; exact: FP32 projection; off: as written)"
             )
+        mem = self.memory_bytes
+        if mem is not None and (isinstance(mem, bool) or not isinstance(mem, int) or mem <= 0):
+            raise AmpOptionsError(f"memory_bytes must be a positive int (bytes) or None, got {mem!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # fail now, not at the first compile

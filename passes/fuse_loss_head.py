@@ -22,6 +22,7 @@ import operator
 
 import torch
 
+from amp_compiler.device import memory_bytes
 from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain
 from amp_compiler.meta import NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
@@ -40,6 +41,8 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 ROW_OPS = RESHAPES | {aten.flatten.using_ints, aten.slice.Tensor, aten.select.int}
 SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
+# loss_head="auto" fuses where the unfused logits would take 1/AUTO_SHARE of the memory or more
+AUTO_SHARE = 8
 # gather has no ignore_index: every negative index is an error, as gather's own
 NO_IGNORE = -(1 << 62)
 
@@ -109,6 +112,7 @@ class _Fusion:
         self.node, self.kind, self.logits = node, kind, logits
         self.consumer = consumer  # the node replaced by the rebuilt loss
         self.created: list[torch.fx.Node] = []
+        self.choice = ""  # loss_head="auto": why fused
 
     # -- recognise ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -123,11 +127,29 @@ class _Fusion:
         # the FP32 master weight (not its 16-bit copy): cast per call, its gradient kept FP32
         w, b = _source(w), _source(b)
         exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == torch.float32
+        self.choice = self._choose(head, vocab) if self.ctx.options.loss_head == "auto" else ""
         if exact:
             h = _source(h)
         ends = {self.consumer, self.node.args[0]}
         kept = [u.name for n in path for u in n.users if u not in path and u not in ends]
         return self._rewrite(head, h, w, b, row_ops, chain, path, exact, vocab, width, kept)
+
+    def _choose(self, head: torch.fx.Node, vocab: int) -> str:
+        """``loss_head="auto"``: fuse where the logits kept for backward would take a large share
+        of the memory, else keep the faster head as written (raises _NotFused with the figures)."""
+        dims = _val(self.logits).shape[:-1]
+        tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
+        if tokens is None:
+            return "auto: fused, the number of tokens is dynamic (the logits' size has no bound here)"
+        kept = _saved_bytes(tokens, vocab, _val(head).dtype)
+        memory = self.ctx.options.memory_bytes or memory_bytes(_val(head).device)
+        if kept * AUTO_SHARE < memory:
+            raise _NotFused(
+                f"auto: left as written, faster: its logits kept for backward ({_size(kept)}) are under "
+                f"1/{AUTO_SHARE} of the memory ({_size(memory)}); fusing recomputes the projection in "
+                "backward (~1.1-1.2x the unfused head's step on CPU); loss_head='fused' fuses it"
+            )
+        return f"auto: fused, the logits as written would take at least 1/{AUTO_SHARE} of the memory ({_size(memory)})"
 
     def _check_loss(self) -> None:
         n = self.node
@@ -268,7 +290,8 @@ class _Fusion:
                 [x, w, b, target, format_chain(chain), ignore, exact, bool(smoothing)],
                 f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
                 f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
-                f"{_saved(tokens, vocab, low)} of logits not kept for backward",
+                f"{_saved(tokens, vocab, low)} of logits not kept for backward"
+                + (f"; {self.choice}" if self.choice else ""),
                 Precision.FP32 if exact else Precision.LOW,
             )
             picked, lse, total = (
@@ -376,6 +399,10 @@ def _saved_bytes(tokens, vocab: int, low: torch.dtype) -> int | None:
     if not isinstance(tokens, int):
         return None
     return tokens * vocab * _per_logit(low)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _saved(tokens, vocab: int, low: torch.dtype) -> str:

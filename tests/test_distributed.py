@@ -300,6 +300,9 @@ def _head_worker(rank, port, wrap, results):
 
             model = DDP(model)
         rec = OpRecorder()
+        # loss_head="auto" weighs the logits against the memory: rank 0's alone would fuse
+        # them (1 MiB), rank 1's alone would not (1 TiB); the ranks agree on the smallest
+        amp_compiler.train.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
         step = amp_compiler.make_train_step(
             model,
             torch.optim.AdamW(model.parameters(), lr=3e-3),
@@ -323,7 +326,8 @@ def _head_worker(rank, port, wrap, results):
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_fused_loss_head_under_ddp_and_fsdp2(wrap):
     """Each rank runs the fused head on 16-bit inputs (FSDP2: the head's sharded weight
-    gathered first); the loss falls; ranks end with the same parameters."""
+    gathered first), by one choice although their memory differs; the loss falls; ranks end
+    with the same parameters."""
     results = mp.Manager().dict()
     mp.spawn(_head_worker, args=(_free_port(), wrap, results), nprocs=2, join=True)
     for rank in (0, 1):

@@ -4,6 +4,7 @@ recognises (and the ones it leaves), what executed and what was saved for backwa
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -408,7 +409,8 @@ def test_training_step_fuses_a_loss_given_beside_the_model(dtype):
     torch.manual_seed(0)
     model, rec = Decoder(), OpRecorder()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    step = make_train_step(model, opt, _hf, dtype=dtype, compile_options={"inner": recording_backend(rec)})
+    options = {"inner": recording_backend(rec), "loss_head": "fused"}
+    step = make_train_step(model, opt, _hf, dtype=dtype, compile_options=options)
     ids, labels = _batch()
     results = [step(ids, labels) for _ in range(6)]
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -502,3 +504,60 @@ def test_onnx_export_leaves_the_head_as_written():
     ep, _, _ = planned_program(Decoder("hf").eval(), BATCH, {}, "bf16", "cpu", None, None, False)
     targets = {n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"}
     assert HEAD.default not in targets and aten.cross_entropy_loss.default in targets
+
+
+def test_auto_keeps_a_head_whose_logits_fit_as_written_and_says_why():
+    """The default weighs the logits the head as written keeps for backward (3.0 MiB here)
+    against the memory: under 1/8 of it the faster unfused head runs (its log_softmax
+    executes in FP32, the fused op does not), with the figures on the loss's plan row."""
+    torch.manual_seed(0)
+    done, rec, _, _ = _run(Decoder("hf"), "auto", memory_bytes=32 << 20)
+    assert not rec.dtypes_of(HEAD) and [d[0] for d in rec.dtypes_of(torch.ops.aten._log_softmax)] == [torch.float32]
+    (row,) = [n for n in done.nodes if n.op == "aten.cross_entropy_loss.default"]
+    assert "auto: left as written, faster: its logits kept for backward (3.0 MiB)" in row.reason
+    assert "under 1/8 of the memory (32.0 MiB)" in row.reason and "loss_head='fused'" in row.reason
+
+
+def test_auto_fuses_where_the_logits_would_take_an_eighth_of_the_memory():
+    torch.manual_seed(0)
+    done, rec, _, _ = _run(Decoder("hf"), "auto", memory_bytes=16 << 20)
+    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.float32]]
+    (row,) = [n for n in done.nodes if n.op == "amp.head_stats.default"]
+    assert "auto: fused, the logits as written would take at least 1/8 of the memory (16.0 MiB)" in row.reason
+
+
+def test_auto_weighs_the_devices_memory_by_default(monkeypatch):
+    """Without memory_bytes the device's total decides (patched: 16 MiB makes 3 MiB large)."""
+    import importlib
+
+    fuse = importlib.import_module("amp_compiler.passes.fuse_loss_head")  # the module, not the pass
+    seen = []
+    monkeypatch.setattr(fuse, "memory_bytes", lambda device: seen.append(device.type) or 16 << 20)
+    torch.manual_seed(0)
+    _, rec, _, _ = _run(Decoder("hf"), "auto")
+    assert rec.dtypes_of(HEAD) and seen == ["cpu"]
+
+
+def test_auto_fuses_a_head_of_dynamic_size():
+    """Under dynamic=True the number of tokens has no bound: the head is fused."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(ids, ids) for ids in (torch.randint(0, V, (2, n), generator=g) for n in (16, 24, 40))]
+    torch.manual_seed(0)
+    done, rec, _, _ = _run(Decoder("hf"), "auto", dynamic=True, batches=batches, memory_bytes=1 << 40)
+    assert len(rec.dtypes_of(HEAD)) == 3
+    assert any("auto: fused, the number of tokens is dynamic" in n.reason for n in done.nodes)
+
+
+def test_device_memory_is_the_ram_or_the_containers_limit():
+    from amp_compiler.device import memory_bytes
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < memory_bytes(torch.device("cpu")) <= ram
+
+
+@pytest.mark.parametrize("bad", [0, -1, "1GB", 1.5, True])
+def test_memory_bytes_must_be_a_positive_int(bad):
+    from amp_compiler.options import AmpOptionsError
+
+    with pytest.raises(AmpOptionsError, match="memory_bytes must be a positive int"):
+        AmpBackend(memory_bytes=bad)

@@ -106,8 +106,10 @@ ROWS = {
     # 0.5 among the budgets: the loss head's own block kernels compile under the default
     "memory_budget": Row(lambda t, s: 0.5, lambda r: 0.5 in r.budgets, context={"inner": "inductor"}),
     "attention": Row(lambda t, s: "fused", lambda r: r.ran(SDPA_CPU, torch.bfloat16)),
-    # "off": the head runs as written (its log_softmax executes); the default fuses it
-    "loss_head": Row(lambda t, s: "off", lambda r: r.ran(aten._log_softmax, torch.float32) and not r.ran_head()),
+    # "fused": the head op executes; the default ("auto") leaves this small head as written
+    "loss_head": Row(lambda t, s: "fused", lambda r: r.ran_head() and not r.ran(aten._log_softmax, torch.float32)),
+    # the automatic choice weighs the logits against this memory: 1 MiB makes them large
+    "memory_bytes": Row(lambda t, s: 1 << 20, lambda r: r.ran_head()),
     "dump_dir": Row(lambda t, s: str(t / "dump"), lambda r: any(r.extra["tmp"].glob("dump/**/*"))),
     "policy_file": Row(
         lambda t, s: _policy_file(t),

@@ -8,7 +8,8 @@ A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 of FP32 logits: logits spread ~16, as at step 0 of a model trained from scratch. Variants,
 interleaved in one process from the same weights, each forward + backward + AdamW: Inductor
 + autocast BF16, and ``torch.compile(backend=AmpBackend(loss_head=...))`` with the head
-fused (the default), unfused (``off``) and ``exact``. Prints median step times, the ratio to
+as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``, unfused
+(``off``) and ``exact``. Prints median step times, the ratio to
 Inductor + autocast, and on CUDA each step's peak memory.
 """
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from amp_compiler import AmpBackend
 
-VARIANTS = ("autocast-inductor", "fused", "off", "exact")
+VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
 
 
 class Decoder(nn.Module):
@@ -46,6 +47,7 @@ class Decoder(nn.Module):
 
 def make_step(kind: str, model: nn.Module, ids, labels, device: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    backend = None
     if kind == "autocast-inductor":
         compiled = torch.compile(model)
 
@@ -53,7 +55,8 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
             with torch.autocast(device, dtype=torch.bfloat16):
                 return compiled(ids, labels)
     else:
-        compiled = AmpBackend(loss_head=kind).compile(model)
+        backend = AmpBackend(loss_head=kind)
+        compiled = backend.compile(model)
 
         def loss():
             return compiled(ids, labels)
@@ -65,7 +68,15 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
         opt.zero_grad(set_to_none=True)
         return value
 
-    return step
+    return step, backend
+
+
+def choice(backend) -> str:
+    """What ``loss_head="auto"`` chose, from the plan."""
+    for node in backend.plan().nodes:
+        if "auto: " in node.reason:
+            return node.reason[node.reason.index("auto: ") :]
+    return "no loss head in the plan"
 
 
 def main(argv=None) -> int:
@@ -87,11 +98,11 @@ def main(argv=None) -> int:
     base = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
     ids = torch.randint(0, args.vocab, (batch, args.seq), device=device)
     labels = torch.randint(0, args.vocab, (batch, args.seq), device=device)
-    steps = {}
+    steps, backends = {}, {}
     for k in kinds:
         model = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
         model.load_state_dict(base.state_dict())
-        steps[k] = make_step(k, model, ids, labels, device)
+        steps[k], backends[k] = make_step(k, model, ids, labels, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     peak = {}
     for k, step in steps.items():
@@ -122,6 +133,8 @@ def main(argv=None) -> int:
             line += f"  {ms / ref / 1e3:.2f}x autocast-inductor"
         if k in peak:
             line += f"  peak {peak[k]:.0f} MiB"
+        if k == "auto":
+            line += f"  ({choice(backends[k])})"
         print(line)
     return 0
 
