@@ -92,6 +92,29 @@ def test_bench_runs_side_by_side_and_writes_json_plot_and_table(tmp_path, capsys
     bench.main(["--table", str(out)])
     table = capsys.readouterr().out
     assert "| amp-step |" in table and "python" in table and "| kernels |" in table
+    # where the step's time went: fp32 eager's is GEMMs and ATen ops, none generated;
+    # amp-step's GEMMs run through ATen beside Inductor's kernels and the fused optimizer
+    eager, amp = runs["fp32-eager"]["breakdown"], runs["amp-step"]["breakdown"]
+    assert sum(eager.values()) == pytest.approx(1.0) and sum(amp.values()) == pytest.approx(1.0)
+    assert eager["gemm"] > 0 and "generated" not in eager
+    assert amp["gemm"] > 0 and amp["generated"] > 0
+    assert "| time by kind % |" in table and "GEMM " in table
+
+
+def test_breakdown_kinds_of_profiler_names():
+    kinds = {
+        "aten::addmm": "gemm",
+        "mkldnn::_linear_pointwise": "gemm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "## Call CompiledFxGraph fabc ##": "generated",
+        "aten::_fused_adamw_": "optimizer",
+        "aten::_to_copy": "casts",
+        "aten::gelu": "other",
+    }
+    assert {name: bench.breakdown_kind(name) for name in kinds} == kinds
+    assert bench.format_breakdown({"gemm": 0.531, "generated": 0.34, "optimizer": 0.07, "other": 0.02}) == (
+        "GEMM 53 gen 34 opt 7"
+    )
 
 
 def test_lowmem_variant_is_the_training_step_under_an_explicit_budget():
@@ -212,8 +235,9 @@ def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys
     with torch.profiler.profile() as prof:
         assert head_decoder.main(argv + ["--variants", "autocast-inductor,fused"]) == 0
     assert any(e.name == "amp::head_stats" for e in prof.events())  # the tied matmul head was fused
-    assert head_decoder.main(argv + ["--variants", "off,exact"]) == 0
+    assert head_decoder.main(argv + ["--variants", "off,exact,auto"]) == 0
     out = capsys.readouterr().out
     for k in head_decoder.VARIANTS:
         assert f"{k}: " in out
     assert "vocabulary 8192" in out
+    assert "(auto: left as written, faster" in out  # 3 MiB of logits: the plan's choice, printed

@@ -31,6 +31,8 @@ its fraction of the 16-bit GEMM peak measured on this machine at the start of th
 (the roofline column; workloads whose FLOPs are counted), floating casts in the training
 graphs Inductor compiled (forward + backward), the
 kernels Inductor generated for the first call (what it compiles, the same on every machine),
+on CPU where one step's time goes by kind of op (profiler self time: GEMM, attention,
+Inductor-generated kernels, optimizer, casts/copies, other; kinds under 3% left out),
 loss and gradient error vs FP32 eager.
 
 These machines are shared and noisy: compare the ratios of one run, never absolute times
@@ -65,14 +67,14 @@ from amp_compiler.device import native_dtypes, resolve_dtype
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
 # run only when named: make_train_step under an explicit memory budget, which lets the
 # partitioner recast the 16-bit weight copies in backward instead of saving them
-EXTRA_VARIANTS = ("amp-step-lowmem", "amp-step-unfused", "amp-step-exact")
+EXTRA_VARIANTS = ("amp-step-lowmem", "amp-step-unfused", "amp-step-fused", "amp-step-exact")
 # make_train_step's loss_head option per variant (unfused: the head as written)
-LOSS_HEAD = {"amp-step-unfused": "off", "amp-step-exact": "exact"}
+LOSS_HEAD = {"amp-step-unfused": "off", "amp-step-fused": "fused", "amp-step-exact": "exact"}
 LOWMEM_BUDGET = 0.8
 LOW_VARIANTS = ("autocast-eager", "autocast-inductor")
 WORKLOADS = ("lm-explicit", "lm-sdpa", "encoder", "encoder-dropout", "cnn")
 HEAD_WORKLOADS = {"lm-head-32k": 32768, "lm-head-128k": 131072}  # vocabulary
-HEAD_VARIANTS = ("fp32-eager", "autocast-inductor", "amp-step-unfused", "amp-step", "amp-step-exact")
+HEAD_VARIANTS = ("fp32-eager", "autocast-inductor", "amp-step-unfused", "amp-step-fused", "amp-step-exact")
 HF_WORKLOADS = ("hf-gpt2", "hf-llama", "hf-bert", "hf-qwen2", "hf-neox", "hf-opt", "hf-gemma", "hf-phi")
 # dense BF16/FP16 tensor-core peak, TFLOP/s, by device name fragment
 PEAK_TFLOPS = {
@@ -464,6 +466,47 @@ def saved_bytes(run, params, then=lambda result: result) -> int:
     return sum(seen.values())
 
 
+# Where a step's time goes, by kind of op (profiler self time). On CPU Inductor's generated
+# kernels run inside the compiled graph's call, so that call's self time is theirs.
+BREAKDOWN_KINDS = (
+    ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::", "aten::linear")),
+    ("attention", ("flash_attention", "scaled_dot_product", "efficient_attention")),
+    ("generated", ("compiledfxgraph", "cpp_fused", "triton_")),
+    ("optimizer", ("fused_adam", "_foreach", "adam")),
+    ("casts", ("aten::copy_", "aten::_to_copy", "aten::clone")),
+)
+BREAKDOWN_SHORT = {"gemm": "GEMM", "attention": "attn", "generated": "gen", "optimizer": "opt", "casts": "cast"}
+
+
+def breakdown_kind(name: str) -> str:
+    n = name.lower().replace(" ", "")
+    return next((kind for kind, keys in BREAKDOWN_KINDS if any(k in n for k in keys)), "other")
+
+
+def step_breakdown(v: Variant, x, y, device: str) -> dict[str, float] | None:
+    """Shares of one training step's op self time by kind (GEMM, attention, generated kernels,
+    optimizer, casts/copies, other). CPU only: on CUDA the work is the GPU's, not these
+    events' CPU time."""
+    if device != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        v.step(x, y)
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        totals[breakdown_kind(e.key)] = totals.get(breakdown_kind(e.key), 0.0) + e.self_cpu_time_total
+    whole = sum(totals.values()) or 1.0
+    return {k: t / whole for k, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def format_breakdown(parts: dict[str, float] | None) -> str:
+    """The kinds above 3% of the step, largest first: ``GEMM 53 gen 34 opt 7``."""
+    if not parts:
+        return "-"
+    return " ".join(f"{BREAKDOWN_SHORT.get(k, k)} {f:.0%}".replace("%", "") for k, f in parts.items() if f >= 0.03)
+
+
 def step_peak_bytes(v: Variant, x, y, device: str) -> int:
     """Peak memory of one training step above what was allocated before it. CUDA: the
     caching allocator's peak. CPU: the profiler's allocation events (``profile_memory``;
@@ -603,6 +646,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
             v.step(x, y)
             v.result["peak_bytes"] = step_peak_bytes(v, x, y, device)
             v.result["saved_bytes"] = saved_activation_bytes(v, x, y)
+            v.result["breakdown"] = step_breakdown(v, x, y, device)
             counter.current = None  # casts are counted in the training graphs only
             with torch.no_grad():
                 v.forward(x), v.forward(x)  # compile the inference graph, warm up
@@ -705,10 +749,15 @@ def _has_kernels(workload: dict) -> bool:
     return any("kernels" in r for r in workload["variants"].values())
 
 
+def _has_breakdown(workload: dict) -> bool:
+    return any(r.get("breakdown") for r in workload["variants"].values())
+
+
 def rows(workload: dict) -> list[tuple[str, ...]]:
     out = []
     base = workload["variants"].get(baseline(workload))
     kernels = _has_kernels(workload)
+    breakdown = _has_breakdown(workload)
     for name, r in workload["variants"].items():
         paired = f"{paired_ratio(r['step_ms_samples'], base['step_ms_samples']):.2f}" if base else "-"
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
@@ -727,6 +776,7 @@ def rows(workload: dict) -> list[tuple[str, ...]]:
                 f"{r['grad_cos']:.5f}" if "grad_cos" in r else "-",
             )
             + (("-" if r.get("kernels") is None else str(r["kernels"]),) if kernels else ())
+            + ((format_breakdown(r.get("breakdown")),) if breakdown else ())
             + (
                 (
                     f"{r['tflops']:.3g}",
@@ -753,8 +803,10 @@ def markdown(results: dict) -> str:
         "",
     ]
     for name, w in results["workloads"].items():
-        extra = (("kernels",) if _has_kernels(w) else ()) + (
-            ("TFLOP/s", "of GEMM peak", "MFU") if any("tflops" in r for r in w["variants"].values()) else ()
+        extra = (
+            (("kernels",) if _has_kernels(w) else ())
+            + (("time by kind %",) if _has_breakdown(w) else ())
+            + (("TFLOP/s", "of GEMM peak", "MFU") if any("tflops" in r for r in w["variants"].values()) else ())
         )
         base = "fp32-inductor" if baseline(w) == "fp32-inductor" else "autocast+inductor"
         head = ("variant",) + tuple(c.format(base=base) for c in COLUMNS) + extra
