@@ -267,3 +267,18 @@ def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
     finally:
         real.apply = apply
     assert ran == [1]
+
+
+def test_trl_bench_tool_times_trl_and_amp_side_by_side(capsys):
+    """tools/trl_bench.py runs SFT's default config without and with AmpCallback (tiny here)
+    and prints both step times and their ratio."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import trl_bench
+
+    argv = ["--vocab", "256", "--d", "32", "--layers", "1", "--seq", "16", "--batch", "2"]
+    assert trl_bench.main(argv + ["--steps", "1", "--warmup", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "TRL SFT, vocabulary 256" in out and "ms/step, AmpCallback " in out and out.rstrip().endswith("x")

@@ -1,0 +1,1 @@
+"""The pieces of ``tools/bench.py``, by job: workloads, variants, measurements, reports."""
