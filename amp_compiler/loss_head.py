@@ -15,7 +15,8 @@ Precision: the projection runs in ``h``'s dtype (16 bit, FP32 accumulation; its 
 rounded to 16 bit as the unfused 16-bit head rounds it, except on CUDA where the GEMM
 writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w`` is the
 FP32 master weight, cast a block at a time: no 16-bit copy of it is kept, and its gradient
-is returned in FP32. ``exact``: the projection in FP32.
+is returned in FP32. ``exact``: the projection and its gradients to FP32's accuracy, as split
+BF16 products (three BF16 GEMMs writing FP32) where the GEMM writes FP32, else in FP32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import functools
 import logging
 
 import torch
+
+from .device import native_dtypes
 
 _log = logging.getLogger("amp_compiler")
 
@@ -78,10 +81,53 @@ def format_chain(steps: list[tuple[str, float]]) -> str:
 _FP32_OUT_MM: dict[str, bool] = {}
 
 
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit matrices, the FP32 accumulator written out unrounded."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+_SPLIT: dict[str, bool] = {}
+
+
+def _split_native(device: torch.device) -> bool:
+    """Whether the exact head's FP32 products run as split BF16 ones on ``device``: where BF16
+    GEMMs are native and write FP32 (CUDA sm_80+; torch 2.13 has no CPU kernel for ``mm`` with
+    ``out_dtype``, and a 16-bit product rounded to 16 bit would defeat the split)."""
+    key = str(device)
+    if key not in _SPLIT:
+        ok = device.type != "cpu" and "bf16" in native_dtypes(device)[0]
+        if ok:
+            try:
+                one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+                ok = _mm32(one, one).dtype == torch.float32
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _SPLIT[key] = ok
+    return _SPLIT[key]
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (FP32) as BF16 ``hi + lo``: 16 of FP32's 24 mantissa bits."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` to FP32's accuracy for the loss head. Where BF16 GEMMs write FP32 it is three
+    of them over the split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the
+    split's remainders are ~2^-16 of each term: a relative error near 1e-5, far under the
+    head's 1e-3 nats); elsewhere one FP32 GEMM."""
+    a, b = a.float(), b.float()
+    if not _split_native(a.device):
+        return a @ b
+    (ah, al), (bh, bl) = _halves(a), _halves(b)
+    return _mm32(ah, bh).add_(_mm32(ah, bl)).add_(_mm32(al, bh))
+
+
 def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool) -> torch.Tensor:
     """``h @ w.T + b`` as the GEMM wrote it (FP32 where exact or where the GEMM writes FP32)."""
     if exact:
-        z = h.float() @ w.float().t()
+        z = exact_mm(h, w.t())
         return z if b is None else z.add_(b)
     w = w.to(h.dtype)
     kind = h.device.type
@@ -266,8 +312,12 @@ def head_stats_backward(
             del z
             if b is not None:
                 db[cols] += db_cols
-            dh_rows.add_(dl @ wc)
-            dw[cols] += dl.t() @ hc  # this block's rows of the gradient, over these tokens
+            if exact:
+                dh_rows.add_(exact_mm(dl, wc))
+                dw[cols] += exact_mm(dl.t(), hc)
+            else:
+                dh_rows.add_(dl @ wc)
+                dw[cols] += dl.t() @ hc  # this block's rows of the gradient, over these tokens
         dh[rows] = dh_rows
     return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 

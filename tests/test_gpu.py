@@ -106,3 +106,31 @@ def test_cuda_graphs_take_the_parameters_as_static_inputs():
     plain = recorded("inductor")
     ours = recorded(AmpBackend(dtype="bf16"))
     assert ours == plain and ours[1] == 0, (ours, plain)
+
+
+def test_exact_loss_head_runs_split_bf16_gemms_on_cuda(monkeypatch):
+    """Where BF16 GEMMs write FP32 the exact head's GEMMs are split BF16 products (3 BF16 GEMMs
+    writing FP32 per FP32 product, forward and backward), the loss within 1e-3 nats of FP64's."""
+    from amp_compiler import loss_head
+
+    if "bf16" not in native_dtypes(CUDA)[0]:
+        pytest.skip("no BF16 tensor cores")
+    calls, mm32 = [], loss_head._mm32
+
+    def spy(a, b):
+        out = mm32(a, b)
+        calls.append((a.dtype, b.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(loss_head, "_mm32", spy)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(512, 256, generator=g) / 2, torch.randn(8192, 256, generator=g) / 2
+    t = torch.randint(0, 8192, (512,), generator=g)
+    ref = F.cross_entropy(F.linear(h.double(), w.double()), t)
+    hc, wc = h.to(CUDA).requires_grad_(), w.to(CUDA).requires_grad_()
+    picked, lse, _ = torch.ops.amp.head_stats(hc, wc, None, t.to(CUDA), "", -100, True, False)
+    loss = (lse - picked).mean()
+    loss.backward()
+    assert loss_head._split_native(CUDA)
+    assert len(calls) == 12 and set(calls) == {(torch.bfloat16, torch.bfloat16, torch.float32)}  # one block
+    assert abs(loss.item() - ref.item()) < 1e-3

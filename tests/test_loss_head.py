@@ -305,6 +305,69 @@ def test_exact_head_matches_fp64_and_default_is_no_worse_than_16_bit():
     assert err["off"].mean() > 10 * err["exact"].mean()  # the comparison can fail
 
 
+@pytest.fixture
+def split_gemm(monkeypatch):
+    """The exact head's split path where BF16 GEMMs write FP32 (CUDA), emulated on CPU: a
+    BF16 x BF16 product accumulated and written in FP32 (each BF16 product is exact in FP32)."""
+    calls = []
+
+    def mm32(a, b):
+        assert a.dtype == b.dtype == torch.bfloat16
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(loss_head, "_mm32", mm32)
+    monkeypatch.setattr(loss_head, "_split_native", lambda device: True)
+    return calls
+
+
+def test_split_product_is_three_bf16_gemms_to_fp32_accuracy(split_gemm):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g) * 3, torch.randn(256, 96, generator=g)
+    want = a.double() @ b.double()
+    got = loss_head.exact_mm(a, b)
+    assert got.dtype == torch.float32 and len(split_gemm) == 3
+    rel = ((got.double() - want).abs().max() / want.abs().max()).item()
+    one_bf16 = ((a.bfloat16().double() @ b.bfloat16().double() - want).abs().max() / want.abs().max()).item()
+    assert rel < 3e-5 and one_bf16 > 30 * rel  # ~16 mantissa bits where one BF16 product has 8
+
+
+def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
+    """loss_head="exact" where the GEMM writes FP32: every projection and gradient GEMM of the
+    op ran as three BF16 GEMMs (3 per block forward, 9 backward), the loss within 1e-3 nats
+    and the gradients within 1e-4 of FP64's, at trained-size logits."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 37, 64, 53
+    h = torch.randn(n, d, generator=g, dtype=torch.float64) / 2
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64) / 2
+    t = torch.randint(0, vocab, (n,), generator=g)
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = _reference(h64, w64, None, t, [], smoothing=0.0)
+    ref_grads = torch.autograd.grad(ref, [h64, w64])
+    h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = _from_stats(HEAD(h32, w32, None, t, "", -100, True, False), t, vocab, smoothing=0.0)
+    blocks = sum(len(cols) for _, cols in loss_head._blocks(n, vocab))
+    assert len(split_gemm) == 3 * blocks
+    grads = torch.autograd.grad(loss, [h32, w32])
+    assert len(split_gemm) == 3 * blocks + 9 * blocks
+    assert abs(loss.item() - ref.item()) < 1e-3
+    for got, want in zip(grads, ref_grads):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_exact_head_on_cpu_is_fp32_gemms():
+    """On CPU no BF16 GEMM writes FP32 (torch has no CPU kernel for mm with out_dtype): the
+    exact projection is one FP32 GEMM."""
+    assert not loss_head._split_native(torch.device("cpu"))
+    one = torch.ones(2, 2, dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.mm(one, one, out_dtype=torch.float32)
+    rec = OpRecorder()
+    with rec:
+        loss_head.exact_mm(torch.randn(4, 8), torch.randn(8, 3))
+    assert [d[:2] for d in rec.dtypes_of(torch.ops.aten.mm)] == [[torch.float32, torch.float32]]
+
+
 @pytest.mark.parametrize(
     "loss, why",
     [("weighted", "class weights"), ("clamped", "logits pass through aten.clamp"), ("hf", "vocabulary of 64")],
