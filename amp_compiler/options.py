@@ -91,8 +91,8 @@ class AmpOptions:
         graph also returns or uses elsewhere are kept as written.
     memory_bytes: the memory ``loss_head="auto"`` weighs the logits against. None
         (default): the device's total (a GPU's memory; on CPU the RAM, or the
-        container's limit where smaller); ``make_train_step`` in a distributed job
-        sets the smallest across ranks, so every rank makes the same choice.
+        container's limit where smaller); ``make_train_step`` and ``AmpCallback`` in a
+        distributed job set the smallest across ranks, so every rank makes the same choice.
     dump_dir: write the graph after every pass to this directory.
     policy_file: a calibrated policy file (``amp_compiler.calibrate``, see
         docs/calibration.md): its pins and overrides join these options; options

@@ -227,6 +227,10 @@ def _trainer_worker(rank, port, out_dir, results):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
     )
     try:
+        # the memory the loss head's choice weighs differs by rank; the ranks agree on the least
+        import amp_compiler.integrations.transformers as integration
+
+        integration.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
         # aot_eager: the ranks' plans are the subject; Inductor's code is tested elsewhere
         cb = AmpCallback(config={"bf16": {"enabled": True}}, inner="aot_eager")
         model = gpt2()
@@ -240,6 +244,7 @@ def _trainer_worker(rank, port, out_dir, results):
             cb.plan().summary()["nodes"]["LOW"],
             [p.detach().clone() for p in model.parameters()][:3],
             all(p.dtype == torch.float32 for p in model.parameters()),
+            cb.options["memory_bytes"],
         )
     finally:
         import torch.distributed as dist
@@ -250,7 +255,8 @@ def _trainer_worker(rank, port, out_dir, results):
 
 def test_trainer_with_two_processes_trains_one_plan(tmp_path):
     """Two gloo processes under the Trainer (Accelerate's DDP) with a config-built GPT-2 and a
-    DeepSpeed-style config: the plan is applied, the loss falls, the ranks stay identical."""
+    DeepSpeed-style config: the plan is applied, the loss falls, the ranks stay identical and
+    weigh the loss head against one memory."""
     import socket
 
     import torch.multiprocessing as mp
@@ -260,8 +266,9 @@ def test_trainer_with_two_processes_trains_one_plan(tmp_path):
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_trainer_worker, args=(port, tmp_path, results), nprocs=2, join=True)
-    (l0, low0, p0, fp32), (_, _, p1, _) = results[0], results[1]
+    (l0, low0, p0, fp32, mem0), (_, _, p1, _, mem1) = results[0], results[1]
     assert low0 > 0 and fp32 and l0[-1] < l0[0]
+    assert mem0 == mem1 == 1 << 20  # one choice of loss head on every rank
     for a, b in zip(p0, p1):
         assert torch.equal(a, b)
 
