@@ -21,6 +21,7 @@ import hashlib
 
 import torch.distributed as dist
 
+from .device import memory_bytes
 from .plan import PrecisionPlan
 
 
@@ -62,12 +63,13 @@ def agree_on_dtype(choice: str, reason: str, requested: str, group=None) -> tupl
     return choice, f"{reason}; agreed across {len(choices)} ranks"
 
 
-def agree_on_memory(nbytes: int, group=None) -> int:
-    """The smallest of every rank's ``nbytes``: the memory ``loss_head="auto"`` weighs the
-    logits against, so every rank makes the same choice and runs one plan."""
-    if not _active(group):
-        return nbytes
-    return min(_gather(int(nbytes), group))
+def agree_on_memory(device, given: int | None = None, group=None) -> int:
+    """The memory ``loss_head="auto"`` weighs the logits against: ``given``, else the smallest
+    of every rank's device memory, so every rank makes the same choice and runs one plan."""
+    if given is not None:
+        return given
+    nbytes = memory_bytes(device)
+    return min(_gather(nbytes, group)) if _active(group) else nbytes
 
 
 def any_rank(flag):

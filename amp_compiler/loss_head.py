@@ -78,32 +78,35 @@ def format_chain(steps: list[tuple[str, float]]) -> str:
     return ",".join("t" if kind == "t" else f"m{value!r}" for kind, value in steps)
 
 
-_FP32_OUT_MM: dict[str, bool] = {}
-
-
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of 16-bit matrices, the FP32 accumulator written out unrounded."""
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
-_SPLIT: dict[str, bool] = {}
+_FP32_OUT_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``dtype`` matrices on ``device`` writes its FP32 accumulator (``mm``
+    with ``out_dtype``: CUDA; torch 2.13 has no CPU kernel for it). Probed once per device."""
+    key = (str(device), dtype)
+    if key not in _FP32_OUT_MM:
+        ok = device.type != "cpu"
+        if ok:
+            try:
+                one = torch.ones(1, 1, dtype=dtype, device=device)
+                ok = _mm32(one, one).dtype == torch.float32
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _FP32_OUT_MM[key] = ok
+    return _FP32_OUT_MM[key]
 
 
 def _split_native(device: torch.device) -> bool:
     """Whether the exact head's FP32 products run as split BF16 ones on ``device``: where BF16
-    GEMMs are native and write FP32 (CUDA sm_80+; torch 2.13 has no CPU kernel for ``mm`` with
-    ``out_dtype``, and a 16-bit product rounded to 16 bit would defeat the split)."""
-    key = str(device)
-    if key not in _SPLIT:
-        ok = device.type != "cpu" and "bf16" in native_dtypes(device)[0]
-        if ok:
-            try:
-                one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-                ok = _mm32(one, one).dtype == torch.float32
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-        _SPLIT[key] = ok
-    return _SPLIT[key]
+    GEMMs are native and write FP32 (CUDA sm_80+; on CPU a 16-bit product rounded to 16 bit
+    would defeat the split)."""
+    return "bf16" in native_dtypes(device)[0] and _writes_fp32(device, torch.bfloat16)
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +133,9 @@ def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bo
         z = exact_mm(h, w.t())
         return z if b is None else z.add_(b)
     w = w.to(h.dtype)
-    kind = h.device.type
-    if kind != "cpu" and _FP32_OUT_MM.get(kind, True):
-        try:  # the GEMM writes its FP32 accumulator: the logits are never rounded to 16 bit
-            z = torch.mm(h, w.t(), out_dtype=torch.float32)
-            _FP32_OUT_MM[kind] = True
-            return z if b is None else z.add_(b)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT_MM[kind] = False
+    if _writes_fp32(h.device, h.dtype):  # the logits are never rounded to 16 bit
+        z = _mm32(h, w.t())
+        return z if b is None else z.add_(b)
     return h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
 
 

@@ -38,7 +38,7 @@ import torch
 from .backend import AmpBackend
 from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE, check_share
-from .device import memory_bytes, resolve_dtype
+from .device import resolve_dtype
 from .distributed import agree_on_dtype, agree_on_memory, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
@@ -318,8 +318,7 @@ def make_train_step(
     options = {**cfg.options, **(compile_options or {})}
     requested = AmpOptions(dtype=dtype).dtype
     choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
-    if options.get("memory_bytes") is None:
-        options["memory_bytes"] = agree_on_memory(memory_bytes(device))
+    options["memory_bytes"] = agree_on_memory(device, options.get("memory_bytes"))
     log.info("amp training step: %s (%s)", choice, reason)
     if scaler is None:
         # a config's fp16 section describes the scaler (it also fixed the dtype to fp16)

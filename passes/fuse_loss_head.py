@@ -137,8 +137,7 @@ class _Fusion:
     def _choose(self, head: torch.fx.Node, vocab: int) -> str:
         """``loss_head="auto"``: fuse where the logits kept for backward would take a large share
         of the memory, else keep the faster head as written (raises _NotFused with the figures)."""
-        dims = _val(self.logits).shape[:-1]
-        tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
+        tokens = self._tokens()
         if tokens is None:
             return "auto: fused, the number of tokens is dynamic (the logits' size has no bound here)"
         kept = _saved_bytes(tokens, vocab, _val(head).dtype)
@@ -150,6 +149,11 @@ class _Fusion:
                 "backward (~1.1-1.2x the unfused head's step on CPU); loss_head='fused' fuses it"
             )
         return f"auto: fused, the logits as written would take at least 1/{AUTO_SHARE} of the memory ({_size(memory)})"
+
+    def _tokens(self) -> int | None:
+        """Rows of logits, None where symbolic (Size.numel() would specialise them)."""
+        dims = _val(self.logits).shape[:-1]
+        return math.prod(dims) if all(isinstance(s, int) for s in dims) else None
 
     def _check_loss(self) -> None:
         n = self.node
@@ -260,8 +264,7 @@ class _Fusion:
     def _rewrite(self, head, h, w, b, row_ops, chain, path, exact, vocab, width, kept) -> dict:
         self.module = next((i.module for i in (info(head), info(self.node)) if i is not None and i.module), "")
         low = _val(head).dtype  # what the head as written computes (and keeps) its logits in
-        dims = _val(self.logits).shape[:-1]  # Size.numel() would specialise symbolic sizes
-        tokens = math.prod(dims) if all(isinstance(s, int) for s in dims) else None
+        tokens = self._tokens()
         rows, cols = block_shape(tokens, vocab, _val(h).device.type)
         blocks = f"blocks of {rows} tokens x {cols} vocabulary entries" if rows else "blocks of 4M logits"
         with self.graph.inserting_before(self.node):

@@ -302,7 +302,7 @@ def _head_worker(rank, port, wrap, results):
         rec = OpRecorder()
         # loss_head="auto" weighs the logits against the memory: rank 0's alone would fuse
         # them (1 MiB), rank 1's alone would not (1 TiB); the ranks agree on the smallest
-        amp_compiler.train.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
+        amp_compiler.distributed.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
         step = amp_compiler.make_train_step(
             model,
             torch.optim.AdamW(model.parameters(), lr=3e-3),

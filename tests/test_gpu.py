@@ -115,6 +115,7 @@ def test_exact_loss_head_runs_split_bf16_gemms_on_cuda(monkeypatch):
 
     if "bf16" not in native_dtypes(CUDA)[0]:
         pytest.skip("no BF16 tensor cores")
+    assert loss_head._split_native(CUDA)  # probed before the spy counts the head's GEMMs
     calls, mm32 = [], loss_head._mm32
 
     def spy(a, b):
@@ -131,6 +132,5 @@ def test_exact_loss_head_runs_split_bf16_gemms_on_cuda(monkeypatch):
     picked, lse, _ = torch.ops.amp.head_stats(hc, wc, None, t.to(CUDA), "", -100, True, False)
     loss = (lse - picked).mean()
     loss.backward()
-    assert loss_head._split_native(CUDA)
     assert len(calls) == 12 and set(calls) == {(torch.bfloat16, torch.bfloat16, torch.float32)}  # one block
     assert abs(loss.item() - ref.item()) < 1e-3

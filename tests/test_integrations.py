@@ -228,9 +228,9 @@ def _trainer_worker(rank, port, out_dir, results):
     )
     try:
         # the memory the loss head's choice weighs differs by rank; the ranks agree on the least
-        import amp_compiler.integrations.transformers as integration
+        import amp_compiler.distributed
 
-        integration.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
+        amp_compiler.distributed.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
         # aot_eager: the ranks' plans are the subject; Inductor's code is tested elsewhere
         cb = AmpCallback(config={"bf16": {"enabled": True}}, inner="aot_eager")
         model = gpt2()

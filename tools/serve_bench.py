@@ -198,9 +198,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    # the compiled variants share the model's code: one Dynamo cache entry per shape each
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(parse_shapes(args.shapes)))
     shapes = parse_shapes(args.shapes)
+    # the compiled variants share the model's code: one Dynamo cache entry per shape each
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(shapes))
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in wanted if v not in VARIANTS]
     if bad:

@@ -40,7 +40,7 @@ from transformers import TrainerCallback
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..coverage import MAX_UNCOMPILED_SHARE, check_share
-from ..device import memory_bytes, resolve_dtype
+from ..device import resolve_dtype
 from ..distributed import agree_on_memory
 from ..monitor import NonFiniteMonitor
 from ..options import AmpOptions
@@ -169,10 +169,9 @@ class AmpCallback(TrainerCallback):
                 "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)"
             )
         self.dtype, self.reason = resolve_dtype(self.requested, device)
-        if self.options.get("memory_bytes") is None:
-            # every rank weighs the loss head against the same memory: one plan (all ranks
-            # reach train begin together)
-            self.options["memory_bytes"] = agree_on_memory(memory_bytes(device))
+        # every rank weighs the loss head against the same memory: one plan (all ranks reach
+        # train begin together)
+        self.options["memory_bytes"] = agree_on_memory(device, self.options.get("memory_bytes"))
         if self.flag is not None:
             self.reason = f"TrainingArguments({self.flag}=True); {self.reason}"
         self.backend = AmpBackend(self.options, dtype=self.dtype)

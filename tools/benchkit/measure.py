@@ -94,7 +94,8 @@ def step_breakdown(v: Variant, x, y, device: str) -> dict[str, float] | None:
         v.step(x, y)
     totals: dict[str, float] = {}
     for e in prof.key_averages():
-        totals[breakdown_kind(e.key)] = totals.get(breakdown_kind(e.key), 0.0) + e.self_cpu_time_total
+        kind = breakdown_kind(e.key)
+        totals[kind] = totals.get(kind, 0.0) + e.self_cpu_time_total
     whole = sum(totals.values()) or 1.0
     return {k: t / whole for k, t in sorted(totals.items(), key=lambda kv: -kv[1])}
 
