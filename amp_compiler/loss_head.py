@@ -1,7 +1,9 @@
 """The fused loss head: per-token statistics of ``softmax(chain(h @ w.T + b))``, in blocks.
 
 A language model's loss reads three numbers per token of its logits: the target's
-logit, the log-sum-exp and (label smoothing only) the sum over the vocabulary. One
+logit, the log-sum-exp and (label smoothing only) the sum over the vocabulary; RL and
+fine-tuning trainers log three more (``EXTRAS``: the entropy, the log of the sum of squared
+probabilities, whether the target is the first argmax). One
 opaque op, ``amp::head_stats``, computes them block by block (a block: up to
 ``MAX_ROWS`` tokens x as many vocabulary entries as make ``BLOCK_ELEMENTS`` logits, 16x
 that on a GPU), the
@@ -10,6 +12,9 @@ the largest activation of the model) exist one block at a time and are never sav
 backward recomputes each block from ``h`` and ``w`` and writes that block's rows of the
 weight's gradient, a GEMM over all the tokens. What the loss does with the three numbers
 (ignore_index, smoothing, reduction) stays ordinary graph ops that the compiler sees.
+``amp::logits_stats`` computes the same statistics from logits a graph already holds (what
+TRL's head is traced to); the loss-head pass turns it into ``amp::head_stats`` where the
+projection can be fused.
 
 Precision: the projection runs in ``h``'s dtype (16 bit, FP32 accumulation; its output
 rounded to 16 bit as the unfused 16-bit head rounds it, except on CUDA where the GEMM
@@ -49,6 +54,12 @@ MIN_VOCAB = 8192
 # there, each such term adds at most 1.7e-38 to a sum that is at least 1
 EXP_FLOOR = -87.0
 
+# Per-token statistics beyond the loss's, by name: the entropy (differentiable), log(sum p^2)
+# and whether the target is the first argmax (neither differentiable)
+EXTRAS = ("entropy", "log_sum_sq", "top1")
+# No index is ignored (gather's semantics: every out-of-range target is an error)
+NO_IGNORE = -(1 << 62)
+
 
 def block_shape(tokens: int | None, vocab: int, device: str = "cpu") -> tuple[int | None, int | None]:
     """(tokens, vocabulary entries) of a block; None where ``tokens`` is not known."""
@@ -72,6 +83,15 @@ def parse_chain(chain: str) -> tuple[tuple[str, float], ...]:
         else:
             raise ValueError(f"amp::head_stats: bad chain element {part!r} in {chain!r}")
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def parse_extras(extras: str) -> tuple[bool, bool, bool]:
+    """``"entropy,top1"``: which of ``EXTRAS`` to compute, as flags in ``EXTRAS``' order."""
+    names = set(filter(None, extras.split(",")))
+    if unknown := names - set(EXTRAS):
+        raise ValueError(f"amp::head_stats: unknown statistics {sorted(unknown)}; choose from {EXTRAS}")
+    return tuple(name in names for name in EXTRAS)
 
 
 def format_chain(steps: list[tuple[str, float]]) -> str:
@@ -159,21 +179,60 @@ def _hit(z: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
 # The per-block math below is compiled (one generated kernel a pass over the block, the
 # logits read in the GEMM's dtype and never copied to FP32 in memory); the GEMMs stay calls
 # into the BLAS. Each function is traced with dynamic shapes: one compile serves every block.
-def _stats_block(z, top, sum_exp, picked, total, at, chain, with_sum):
-    """Fold one block of logits into its rows' running statistics; log-sum-exp online."""
+def _stats_block(z, stats, at, chain, with_sum, want):
+    """Fold one block of logits into its rows' running statistics (``_start``'s seven);
+    log-sum-exp online, the extras ``want`` asks for (``parse_extras``) online beside it."""
+    top, sum_exp, picked, total, s1, s2, first = stats
     z, _ = _chain(z.float(), chain)
-    new_top = torch.maximum(top, z.amax(1))
-    sum_exp = sum_exp * torch.exp(top - new_top) + torch.exp((z - new_top[:, None]).clamp_min(EXP_FLOOR)).sum(1)
+    block_top = z.amax(1)
+    new_top = torch.maximum(top, block_top)
+    scale = torch.exp(top - new_top)
+    e = torch.exp((z - new_top[:, None]).clamp_min(EXP_FLOOR))
+    sum_exp = sum_exp * scale + e.sum(1)
     picked = picked + torch.where(_hit(z, at), z, 0.0).sum(1)
     if with_sum:
         total = total + z.sum(1)
-    return new_top, sum_exp, picked, total
+    entropy, sq, top1 = want
+    if entropy:  # sum of exp(z - top) * z: the mean logit under p, for H = lse - E_p[z]
+        s1 = s1 * scale + (e * z).sum(1)
+    if sq:
+        s2 = s2 * scale * scale + torch.exp((2 * (z - new_top[:, None])).clamp_min(EXP_FLOOR)).sum(1)
+    if top1:  # the row's first argmax moves here only where this block's max is larger
+        first = torch.where(block_top > top, z.argmax(1) == at, first)
+    return new_top, sum_exp, picked, total, s1, s2, first
 
 
-def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, with_bias):
-    """dLoss/dlogits of one block (recomputed logits in), in ``out_dtype``; and its column sums."""
+def _start(rows: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Running statistics of ``rows`` rows before their first block."""
+    top = like.new_full((rows,), float("-inf"), dtype=torch.float32)
+    zeros = [torch.zeros_like(top) for _ in range(5)]
+    return top, *zeros, torch.zeros(rows, dtype=torch.bool, device=like.device)
+
+
+def _finish(stats, want) -> tuple[torch.Tensor, ...]:
+    """(target logit, log-sum-exp, sum, entropy, log sum p^2, target is first argmax); the
+    extras not asked for are empty."""
+    top, sum_exp, picked, total, s1, s2, first = stats
+    lse = sum_exp.log() + top
+    entropy, sq, top1 = want
+    return (
+        picked,
+        lse,
+        total,
+        lse - s1 / sum_exp if entropy else top.new_empty(0),  # fresh empties: outputs never alias
+        s2.log() + 2 * (top - lse) if sq else top.new_empty(0),
+        first if top1 else first.new_empty(0),
+    )
+
+
+def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, with_bias, entropy=None, g_entropy=None):
+    """dLoss/dlogits of one block (recomputed logits in), in ``out_dtype``; and its column sums.
+    ``entropy``: the rows' entropies, whose gradient ``g_entropy`` adds -p (log p + H)."""
     z, tanhs = _chain(z.float(), chain)
-    dz = torch.exp((z - lse[:, None]).clamp_min(EXP_FLOOR)) * g_lse[:, None] + g_total[:, None]
+    p = torch.exp((z - lse[:, None]).clamp_min(EXP_FLOOR))
+    dz = p * g_lse[:, None] + g_total[:, None]
+    if entropy is not None:
+        dz = dz - p * (z - lse[:, None] + entropy[:, None]) * g_entropy[:, None]
     dz = dz + torch.where(_hit(z, at), g_picked[:, None], 0.0)
     for kind, value in reversed(chain):
         if kind == "m":
@@ -245,31 +304,36 @@ def head_stats(
     ignore_index: int,
     exact: bool,
     with_sum: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target logit, log-sum-exp, sum of logits) per row of ``h`` [N, d], all FP32."""
-    steps = parse_chain(chain)
+    extras: str = "",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``h`` [N, d]: (target logit, log-sum-exp, sum of logits, entropy, log of the
+    sum of squared probabilities, whether the target is the first argmax); the last three
+    where ``extras`` names them (empty otherwise). FP32 but the last (bool)."""
+    steps, want = parse_chain(chain), parse_extras(extras)
     n, vocab = h.shape[0], w.shape[0]
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
-    picked = h.new_empty(n, dtype=torch.float32)
-    lse = h.new_empty(n, dtype=torch.float32)
-    total = h.new_zeros(n, dtype=torch.float32)
     fold = _kernel(_stats_block)
+    out = []
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
-        m = rows.stop - rows.start
-        top = h.new_full((m,), float("-inf"), dtype=torch.float32)
-        stats = top, torch.zeros_like(top), torch.zeros_like(top), torch.zeros_like(top)
+        stats = _start(rows.stop - rows.start, h)
         for cols in col_blocks:
             z = _project(h[rows], w[cols], None if b is None else b[cols], exact)
-            stats = fold(z, *stats, _in_block(safe[rows], cols), steps, with_sum)
-        top, sum_exp, picked[rows], total[rows] = stats
-        lse[rows] = sum_exp.log() + top
-    return picked, lse, total
+            stats = fold(z, stats, _in_block(safe[rows], cols), steps, with_sum, want)
+        out.append(_finish(stats, want))
+    if len(out) == 1:
+        return out[0]
+    return tuple(torch.cat(parts) for parts in zip(*out))
+
+
+def _fake_stats(n: int, like: torch.Tensor, extras: str):
+    want = parse_extras(extras)
+    fp32 = [like.new_empty(n if i < 3 or want[i - 3] else 0, dtype=torch.float32) for i in range(5)]
+    return (*fp32, like.new_empty(n if want[2] else 0, dtype=torch.bool))
 
 
 @head_stats.register_fake
-def _(h, w, b, target, chain, ignore_index, exact, with_sum):
-    n = h.shape[0]
-    return tuple(h.new_empty(n, dtype=torch.float32) for _ in range(3))
+def _(h, w, b, target, chain, ignore_index, exact, with_sum, extras=""):
+    return _fake_stats(h.shape[0], h, extras)
 
 
 @torch.library.custom_op("amp::head_stats_backward", mutates_args=())
@@ -277,21 +341,25 @@ def head_stats_backward(
     g_picked: torch.Tensor,
     g_lse: torch.Tensor,
     g_total: torch.Tensor,
+    g_entropy: torch.Tensor,
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
     target: torch.Tensor,
     lse: torch.Tensor,
+    entropy: torch.Tensor,
     chain: str,
     ignore_index: int,
     exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for h, w and b (an empty tensor without bias), logits recomputed per block."""
+    """Gradients for h, w and b (an empty tensor without bias), logits recomputed per block;
+    ``g_entropy`` and ``entropy`` empty where no entropy gradient flows."""
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
     g_picked = g_picked * valid
+    with_entropy = entropy.numel() > 0
     grad_dtype = torch.float32 if exact else h.dtype
     dh = torch.empty_like(h)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
@@ -300,12 +368,13 @@ def head_stats_backward(
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
         hc = h[rows].float() if exact else h[rows]
         dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
+        ent = (entropy[rows], g_entropy[rows]) if with_entropy else (None, None)
         for cols in col_blocks:
             wc = w[cols].to(grad_dtype)
             z = _project(hc, wc, None if b is None else b[cols], exact)
             at = _in_block(safe[rows], cols)
             dl, db_cols = grad(
-                z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, grad_dtype, b is not None
+                z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, grad_dtype, b is not None, *ent
             )
             del z
             if b is not None:
@@ -321,32 +390,114 @@ def head_stats_backward(
 
 
 @head_stats_backward.register_fake
-def _(g_picked, g_lse, g_total, h, w, b, target, lse, chain, ignore_index, exact):
+def _(g_picked, g_lse, g_total, g_entropy, h, w, b, target, lse, entropy, chain, ignore_index, exact):
     return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
 
 
+def _row_grads(lse, g_picked, g_lse, g_total, g_entropy):
+    """The statistics' incoming gradients, zeros where none flowed (entropy: empty)."""
+    zeros = lse.new_zeros(lse.shape)
+    pick = [zeros if g is None else g for g in (g_picked, g_lse, g_total)]
+    return (*pick, lse.new_empty(0) if g_entropy is None else g_entropy)
+
+
 def _setup_context(ctx, inputs, output):
-    h, w, b, target, chain, ignore_index, exact, _ = inputs
-    ctx.save_for_backward(h, w, b, target, output[1])
+    h, w, b, target, chain, ignore_index, exact, _, _ = inputs
+    ctx.save_for_backward(h, w, b, target, output[1], output[3])
     ctx.args = (chain, ignore_index, exact)
     ctx.has_bias = b is not None
+    ctx.mark_non_differentiable(output[4], output[5])
 
 
-def _backward(ctx, g_picked, g_lse, g_total):
-    h, w, b, target, lse = ctx.saved_tensors
-    zeros = lse.new_zeros(lse.shape)
+def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
+    h, w, b, target, lse, entropy = ctx.saved_tensors
+    g_picked, g_lse, g_total, g_entropy = _row_grads(lse, g_picked, g_lse, g_total, g_entropy)
     dh, dw, db = torch.ops.amp.head_stats_backward(
-        zeros if g_picked is None else g_picked,
-        zeros if g_lse is None else g_lse,
-        zeros if g_total is None else g_total,
+        g_picked,
+        g_lse,
+        g_total,
+        g_entropy,
         h,
         w,
         b if ctx.has_bias else None,
         target,
         lse,
+        entropy if g_entropy.numel() else entropy.new_empty(0),
         *ctx.args,
     )
-    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None
+    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 
 head_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("amp::logits_stats", mutates_args=())
+def logits_stats(
+    z: torch.Tensor, target: torch.Tensor, chain: str, ignore_index: int, with_sum: bool, extras: str = ""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``head_stats``' statistics of logits ``z`` [N, V] a graph already holds: one generated
+    kernel over all of it (no FP32 copy of the logits in memory). The loss-head pass replaces
+    it with ``head_stats`` on the projection's input where it can fuse the projection."""
+    steps, want = parse_chain(chain), parse_extras(extras)
+    safe = torch.where(_check_targets(target, z.shape[1], ignore_index), target, 0)
+    stats = _kernel(_stats_block)(z, _start(z.shape[0], z), safe, steps, with_sum, want)
+    return _finish(stats, want)
+
+
+@logits_stats.register_fake
+def _(z, target, chain, ignore_index, with_sum, extras=""):
+    return _fake_stats(z.shape[0], z, extras)
+
+
+@torch.library.custom_op("amp::logits_stats_backward", mutates_args=())
+def logits_stats_backward(
+    g_picked: torch.Tensor,
+    g_lse: torch.Tensor,
+    g_total: torch.Tensor,
+    g_entropy: torch.Tensor,
+    z: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    chain: str,
+    ignore_index: int,
+) -> torch.Tensor:
+    """dLoss/dz in ``z``'s dtype (``g_entropy`` and ``entropy`` empty where no entropy gradient flows)."""
+    valid = target != ignore_index
+    ent = (entropy, g_entropy) if entropy.numel() else (None, None)
+    dz, _ = _kernel(_grad_block)(
+        z,
+        lse,
+        g_lse,
+        g_total,
+        g_picked * valid,
+        torch.where(valid, target, 0),
+        parse_chain(chain),
+        z.dtype,
+        False,
+        *ent,
+    )
+    return dz
+
+
+@logits_stats_backward.register_fake
+def _(g_picked, g_lse, g_total, g_entropy, z, target, lse, entropy, chain, ignore_index):
+    return torch.empty_like(z)
+
+
+def _logits_setup_context(ctx, inputs, output):
+    z, target, chain, ignore_index, _, _ = inputs
+    ctx.save_for_backward(z, target, output[1], output[3])
+    ctx.args = (chain, ignore_index)
+    ctx.mark_non_differentiable(output[4], output[5])
+
+
+def _logits_backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
+    z, target, lse, entropy = ctx.saved_tensors
+    g_picked, g_lse, g_total, g_entropy = _row_grads(lse, g_picked, g_lse, g_total, g_entropy)
+    entropy = entropy if g_entropy.numel() else entropy.new_empty(0)
+    dz = torch.ops.amp.logits_stats_backward(g_picked, g_lse, g_total, g_entropy, z, target, lse, entropy, *ctx.args)
+    return dz, None, None, None, None, None
+
+
+logits_stats.register_autograd(_logits_backward, setup_context=_logits_setup_context)

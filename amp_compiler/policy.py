@@ -666,9 +666,17 @@ BANNED_OPS: Mapping[object, str] = {
 
 # Ops outside ATen that popular model code emits, keyed by qualified name so
 # the library need not be installed. transformers' MoE layers call this
-# grouped matmul when torch's own is unavailable.
+# grouped matmul when torch's own is unavailable. amp's own logits statistics read logits in
+# any dtype and compute in FP32 inside (what TRL's head is traced to).
 EXTERNAL_OPS: Mapping[str, Precision] = {
     "transformers::grouped_mm_fallback": Precision.LOW,
+    "amp::logits_stats": Precision.PASSTHROUGH,
+}
+# Ops whose outputs have the same dtypes whatever dtype their inputs arrive in
+FIXED_OUTPUT_OPS = frozenset({"amp::logits_stats"})
+_EXTERNAL_WHY = {
+    "transformers::grouped_mm_fallback": "grouped matmul: 16-bit inputs",
+    "amp::logits_stats": "softmax statistics computed in FP32 inside, logits read as they arrive",
 }
 
 TABLES: Mapping[Precision, frozenset] = {
@@ -819,7 +827,7 @@ def why(packet: object, precision: Precision, policy: Policy) -> str:
     if policy.low_dtype == torch.float16 and packet in FP16_EXTRA_FP32_OPS:
         return _FP16_WHY
     if getattr(packet, "_qualified_op_name", None) in EXTERNAL_OPS:
-        return f"known {packet._qualified_op_name} (grouped matmul): 16-bit inputs"
+        return f"known {packet._qualified_op_name}: {_EXTERNAL_WHY[packet._qualified_op_name]}"
     return _WHY.get(packet, f"{precision.value} table")
 
 

@@ -7,10 +7,12 @@ Recognised, after casts are placed (so the projection's inputs are in the plan's
       -> cross_entropy_loss(., target)  (2-D, no class weights, hard targets)
        | nll_loss_nd(log_softmax(., -1), target)
        | gather(log_softmax(., -1), -1, index)        (per-token log-probs: DPO, KTO, RL)
+       | amp::logits_stats(., target, ...)            (log-probs and entropy: TRL's head)
 
 becomes ``amp::head_stats`` (``amp_compiler.loss_head``) on ``h`` with the same views
 applied, and the loss rebuilt from its three per-token FP32 statistics with ordinary
-ops (ignore_index, label smoothing, reduction). The logits' other users, if any (a model
+ops (ignore_index, label smoothing, reduction); ``amp::logits_stats`` becomes
+``amp::head_stats`` with the same outputs. The logits' other users, if any (a model
 output), keep them as written. A head that does not match is left exactly as it was,
 with the reason on its loss node.
 """
@@ -23,7 +25,7 @@ import operator
 import torch
 
 from amp_compiler.device import memory_bytes
-from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain
+from amp_compiler.loss_head import MIN_VOCAB, NO_IGNORE, block_shape, format_chain, parse_chain
 from amp_compiler.meta import NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
@@ -35,6 +37,7 @@ CE = aten.cross_entropy_loss.default
 NLL = {aten.nll_loss_nd.default, aten.nll_loss.default}
 LOG_SOFTMAX = {aten.log_softmax.int, aten._log_softmax.default}
 GATHER = aten.gather.default
+STATS = torch.ops.amp.logits_stats.default
 CASTS = {aten.to.dtype, aten._to_copy.default}
 SAME = {aten.contiguous.default, aten.clone.default, aten.alias.default}
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -43,8 +46,6 @@ SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
 # loss_head="auto" fuses where the unfused logits would take 1/AUTO_SHARE of the memory or more
 AUTO_SHARE = 8
-# gather has no ignore_index: every negative index is an error, as gather's own
-NO_IGNORE = -(1 << 62)
 
 
 class _NotFused(Exception):
@@ -81,6 +82,8 @@ def _site(node: torch.fx.Node):
         return "nll_loss", node.args[0].args[0], node
     if node.target is GATHER and _is_log_softmax(node.args[0]):
         return "log_prob_gather", node.args[0].args[0], node
+    if node.target is STATS:
+        return "log_prob_stats", node.args[0], node
     return None
 
 
@@ -167,6 +170,10 @@ class _Fusion:
                 raise _NotFused("the gather reads more than one entry per row")
             return
         src = n.args[0]
+        if self.kind == "log_prob_stats":
+            if _val(src).dim() != 2:
+                raise _NotFused(f"logits of {_val(src).dim()} dims")
+            return
         if self.kind == "nll_loss":
             if len(src.users) != 1:
                 raise _NotFused("the log-probs are read by more than the loss")
@@ -267,40 +274,67 @@ class _Fusion:
         tokens = self._tokens()
         rows, cols = block_shape(tokens, vocab, _val(h).device.type)
         blocks = f"blocks of {rows} tokens x {cols} vocabulary entries" if rows else "blocks of 4M logits"
+        # logits the graph keeps anyway (a model output): their statistics are read from them,
+        # not from a second projection; only the FP32 log-probs are spared
+        from_logits = bool(kept) and not exact
+        if from_logits and self.kind == "log_prob_stats":
+            raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
         with self.graph.inserting_before(self.node):
-            x = h
-            for op in row_ops:  # the views the logits went through, on h
+            x = head if from_logits else h
+            for op in row_ops:  # the views the logits went through, on h (or on the logits)
                 args, target = list(op.args), op.target
                 args[0] = x
                 if target in RESHAPES:  # reshape: the contiguous() copies between were skipped
-                    target, args[1] = aten.reshape.default, [*list(args[1])[:-1], width]
+                    target, args[1] = aten.reshape.default, [*list(args[1])[:-1], vocab if from_logits else width]
                 x = self._emit(target, args, "the logits' view, applied to the head's input", Precision.PASSTHROUGH)
+            extras, with_sum = "", None
             if self.kind == "log_prob_gather":
                 x = self._emit(aten.flatten.using_ints, [x, 0, -2], "rows of the head's input", Precision.PASSTHROUGH)
                 target = self._emit(aten.flatten.using_ints, [self.node.args[2]], "gather index as rows")
                 ignore, smoothing = NO_IGNORE, 0.0
+            elif self.kind == "log_prob_stats":  # its own chain applies after the path's
+                target, own, ignore, with_sum = self.node.args[1:5]
+                extras = _arg(self.node, 5, "extras", "")
+                chain, smoothing = [*chain, *parse_chain(own)], 0.0
             else:
                 target = self.node.args[1]
                 ignore = _arg(self.node, 4, "ignore_index", -100)
                 smoothing = _arg(self.node, 5, "label_smoothing", 0.0) if self.kind == "cross_entropy" else 0.0
-            how = (
-                "FP32 projection (loss_head='exact')"
-                if exact
-                else f"projection in {dtype_name(low)} (FP32 accumulation)"
-            )
-            stats = self._emit(
-                torch.ops.amp.head_stats.default,
-                [x, w, b, target, format_chain(chain), ignore, exact, bool(smoothing)],
-                f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
-                f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
-                f"{_saved(tokens, vocab, low)} of logits not kept for backward"
-                + (f"; {self.choice}" if self.choice else ""),
-                Precision.FP32 if exact else Precision.LOW,
-            )
-            picked, lse, total = (
-                self._emit(operator.getitem, [stats, i], "fused loss head statistic") for i in range(3)
-            )
-            out = self._loss(picked, lse, total, target, ignore, smoothing, vocab)
+            with_sum = bool(smoothing) or bool(with_sum)
+            saved_bytes = _saved_bytes(tokens, vocab, low)
+            if from_logits:
+                saved_bytes = saved_bytes and saved_bytes * 4 // _per_logit(low)
+                stats = self._emit(
+                    torch.ops.amp.logits_stats.default,
+                    [x, target, format_chain(chain), ignore, with_sum, extras],
+                    f"loss statistics ({self.kind}, vocabulary {vocab}) read from the {dtype_name(low)} logits "
+                    f"the graph keeps for {', '.join(kept)} (not projected again), log-sum-exp and target in "
+                    f"FP32 inside one generated kernel; {_size(saved_bytes) if saved_bytes else '4 bytes a logit'} "
+                    "of FP32 log-probs not kept for backward" + (f"; {self.choice}" if self.choice else ""),
+                    Precision.FP32,
+                )
+            else:
+                how = (
+                    "FP32 projection (loss_head='exact')"
+                    if exact
+                    else f"projection in {dtype_name(low)} (FP32 accumulation)"
+                )
+                stats = self._emit(
+                    torch.ops.amp.head_stats.default,
+                    [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras],
+                    f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
+                    f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
+                    f"{_saved(tokens, vocab, low)} of logits not kept for backward"
+                    + (f"; {self.choice}" if self.choice else ""),
+                    Precision.FP32 if exact else Precision.LOW,
+                )
+            if self.kind == "log_prob_stats":  # the same outputs: its getitem users read them
+                out = stats
+            else:
+                picked, lse, total = (
+                    self._emit(operator.getitem, [stats, i], "fused loss head statistic") for i in range(3)
+                )
+                out = self._loss(picked, lse, total, target, ignore, smoothing, vocab)
         try:
             refresh_vals(self.gm, self.ctx.fake_mode)
         except Exception as e:  # noqa: BLE001 - a view that does not replay on h: left as written
@@ -320,10 +354,11 @@ class _Fusion:
             "kind": self.kind,
             "node": stats.name,
             "vocab": vocab,
-            "block": (rows, cols),
+            "block": None if from_logits else (rows, cols),
+            "from_logits": from_logits,
             "exact": exact,
             "logits_kept_for": kept,
-            "saved_bytes": _saved_bytes(tokens, vocab, low),
+            "saved_bytes": saved_bytes,
         }
 
     def _loss(self, picked, lse, total, target, ignore, smoothing, vocab):

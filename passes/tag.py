@@ -21,7 +21,7 @@ import torch
 
 from amp_compiler.hops import HopKind, is_hop, node_treatment
 from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
-from amp_compiler.policy import AmpPolicyError, Precision, why
+from amp_compiler.policy import FIXED_OUTPUT_OPS, AmpPolicyError, Precision, why
 
 from .graph_util import (
     AMP_FLOATS,
@@ -241,7 +241,7 @@ class _Tagger:
         if node.target is operator.getitem:
             src = self.planned(node.args[0])
             return src[node.args[1]] if isinstance(src, tuple) else src
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target.name() in FIXED_OUTPUT_OPS:
             return orig
         inputs = tensor_inputs(node)
         if node.target in (torch.ops.aten.type_as.default, torch.ops.aten.to.other):

@@ -43,7 +43,7 @@ class OpRecorder(TorchDispatchMode):
         )
 
     def dtypes_of(self, *packets) -> list[list[torch.dtype]]:
-        return [d for p, d in self.calls if p in packets]
+        return [call[1] for call in self.calls if call[0] in packets]  # subclasses may add fields
 
 
 class RecordingBackend:

@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import OpRecorder, cosine, recording_backend
+from helpers import MATMULS, OpRecorder, cosine, recording_backend
 
 from amp_compiler import AmpBackend, loss_head, make_train_step
-from amp_compiler.loss_head import MIN_VOCAB, block_shape, format_chain, head_stats
+from amp_compiler.loss_head import MIN_VOCAB, NO_IGNORE, block_shape, format_chain, head_stats, logits_stats
 
 aten = torch.ops.aten
 HEAD = torch.ops.amp.head_stats
+LOGITS_STATS = torch.ops.amp.logits_stats
 V, D = 8192, 32
 
 
@@ -31,7 +32,7 @@ def _reference(h, w, b, t, chain, ignore=-100, smoothing=0.0, reduction="mean"):
 
 
 def _from_stats(stats, t, vocab, ignore=-100, smoothing=0.0):
-    picked, lse, total = stats
+    picked, lse, total = stats[:3]
     valid = t != ignore
     nll = torch.lerp(lse - picked, lse - total / vocab, smoothing)
     return torch.where(valid, nll, 0.0).sum() / valid.sum()
@@ -128,6 +129,90 @@ def test_op_registration_holds():
     w = torch.randn(64, 8, generator=g, requires_grad=True)
     t = torch.randint(0, 64, (12,), generator=g)
     torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, False, True))
+    torch.library.opcheck(head_stats, (h, w, None, t, "m0.5,t", -100, False, True, "entropy,log_sum_sq,top1"))
+    z = (h @ w.t()).detach().requires_grad_()
+    torch.library.opcheck(logits_stats, (z, t, "m0.5", -100, True, "entropy,top1"))
+
+
+def _extras_reference(z, t):
+    """Entropy, log(sum p^2), mean logit and "the target is the first argmax" of logits ``z``."""
+    logp = z.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return entropy, torch.logsumexp(2 * logp, -1), z.mean(-1), z.argmax(-1) == t
+
+
+def _tied_rows(g, n, d, vocab):
+    """Hidden states and weights in FP64 where rows 0-2 peak on logits that tie: entries 3, 7
+    (one block) and 12 (the next) share a weight row; targets 3, 7 and 12 there, so only
+    row 0's target is the first argmax."""
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64)
+    w[3] *= 3
+    w[7] = w[12] = w[3]
+    h[:3] = w[3]
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[:3] = torch.tensor([3, 7, 12])
+    return h.requires_grad_(), w.requires_grad_(), t
+
+
+@pytest.mark.parametrize("op", ["head_stats", "logits_stats"])
+def test_op_extras_are_the_statistics_of_the_logits(op, small_blocks):
+    """From FP64 over uneven blocks, with a soft-cap chain: entropy, log(sum p^2), the mean logit
+    and the first-argmax flag (ties within a block and across blocks) equal their definitions
+    on the whole logits; the entropy's gradient (with the log-probs') is autograd's."""
+    g = torch.Generator().manual_seed(3)
+    n, d, vocab = 37, 8, 53
+    h, w, t = _tied_rows(g, n, d, vocab)
+    chain = [("m", 1 / 30), ("t", 0.0), ("m", 30.0)]
+    z = torch.tanh(F.linear(h, w) / 30) * 30
+    ref_ent, ref_sq, ref_mean, ref_top = _extras_reference(z, t)
+    assert ref_top[:3].tolist() == [True, False, False]
+    ref_loss = z.log_softmax(-1).gather(1, t[:, None]).sum() + (ref_ent * torch.linspace(0, 1, n)).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (h, w))
+    if op == "head_stats":
+        stats = HEAD(h, w, None, t, format_chain(chain), NO_IGNORE, True, True, "entropy,log_sum_sq,top1")
+    else:
+        stats = LOGITS_STATS(F.linear(h, w), t, format_chain(chain), NO_IGNORE, True, "entropy,log_sum_sq,top1")
+    picked, lse, total, entropy, log_sum_sq, top1 = stats
+    # the statistics are FP32 whatever the logits' dtype
+    torch.testing.assert_close(entropy.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(log_sum_sq.double(), ref_sq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((total / vocab).double(), ref_mean, rtol=1e-5, atol=1e-5)
+    assert torch.equal(top1, ref_top)
+    loss = (picked - lse).sum() + (entropy * torch.linspace(0, 1, n)).sum()
+    for got, want in zip(torch.autograd.grad(loss, (h, w)), ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_extras_not_asked_for_are_empty_and_cost_no_gradient():
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 8, generator=g, requires_grad=True), torch.randn(64, 8, generator=g)
+    t = torch.randint(0, 64, (6,), generator=g)
+    for stats in (HEAD(h, w, None, t, "", -100, False, False), LOGITS_STATS(h @ w.t(), t, "", -100, False)):
+        assert [x.numel() for x in stats] == [6, 6, 6, 0, 0, 0] and stats[5].dtype == torch.bool
+    with pytest.raises(ValueError, match="unknown statistics \\['argmax'\\]"):
+        HEAD(h, w, None, t, "", -100, False, False, "entropy,argmax")
+
+
+def test_logits_stats_runs_as_one_generated_kernel_each_way():
+    """From logits a graph holds: one compiled call forward, one backward, no ATen exp."""
+    from torch.profiler import profile
+
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(40, 300, generator=g) * 20).bfloat16().requires_grad_()
+    t = torch.randint(0, 300, (40,), generator=g)
+
+    def run():
+        picked, lse, _, entropy, _, _ = LOGITS_STATS(z, t, "m0.5", -100, False, "entropy")
+        return torch.autograd.grad((picked - lse).sum() + entropy.sum(), z)[0]
+
+    run()
+    with profile() as prof:
+        dz = run()
+    ran = {e.key: e.count for e in prof.key_averages()}
+    assert sum(c for k, c in ran.items() if k.startswith("## Call CompiledFxGraph")) == 2
+    assert not {"aten::exp", "aten::exp_"} & set(ran), ran
+    assert dz.dtype == torch.bfloat16
 
 
 def test_op_refuses_a_target_outside_the_vocabulary():
@@ -184,6 +269,12 @@ def _per_token(logits, labels):
     return torch.gather(logits.float().log_softmax(-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
+def _stats(logits, labels):  # what TRL's head is traced to (integrations/trl_head.py)
+    z, t = (logits / 0.7).flatten(0, 1), labels.clamp(min=0).flatten()
+    picked, lse, _, entropy, _, _ = torch.ops.amp.logits_stats(z, t, "", NO_IGNORE, False, "entropy,top1")
+    return -(picked - lse).mean() + 0.1 * entropy.mean()
+
+
 LOSSES = {
     "hf": _hf,
     "shifted": lambda z, y: F.cross_entropy(z[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten()),
@@ -196,6 +287,7 @@ LOSSES = {
     "per_token": _per_token,
     "temperature": lambda z, y: F.cross_entropy((z.float() / 0.7).flatten(0, 1), y.flatten()),
     "softcap": lambda z, y: F.cross_entropy((torch.tanh(z.float() / 30) * 30).flatten(0, 1), y.flatten()),
+    "stats": _stats,
     # not fusable: class weights, an op the head does not know
     "weighted": lambda z, y: F.cross_entropy(z.flatten(0, 1).float(), y.flatten(), weight=torch.ones(z.shape[-1])),
     "clamped": lambda z, y: F.cross_entropy(z.flatten(0, 1).float().clamp(-50, 50), y.flatten()),
@@ -217,11 +309,11 @@ def _batch(seed=1, vocab=V):
 BATCH = _batch()
 
 
-def _run(model, loss_head, dynamic=None, batches=(BATCH,), dtype="bf16", **options):
+def _run(model, loss_head, dynamic=None, batches=(BATCH,), dtype="bf16", rec=None, **options):
     """Forward + backward under the amp backend, recorded; (what the backend did, recorder,
     outputs, tensors saved for backward). The next ``torch._dynamo.reset()`` empties the
     backend's records: the returned ``Done`` keeps what the test reads of them."""
-    rec = OpRecorder()
+    rec = rec or OpRecorder()
     backend = AmpBackend(dtype=dtype, inner=recording_backend(rec), loss_head=loss_head, **options)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
@@ -248,7 +340,7 @@ def _fused(done):
     return done.fused
 
 
-FUSED = ["hf", "shifted", "sum_smoothed", "none", "nll", "token_logps", "temperature", "softcap"]
+FUSED = ["hf", "shifted", "sum_smoothed", "none", "nll", "token_logps", "temperature", "softcap", "stats"]
 
 
 @pytest.mark.parametrize("loss", FUSED)
@@ -273,6 +365,48 @@ def test_head_is_fused_trains_alike_and_saves_no_logits(loss):
     (head,) = _fused(backend)
     tokens = 62 if loss == "shifted" else 64
     assert head["block"] == (tokens, V) and head["saved_bytes"] == tokens * V * 6
+
+
+class TrlHead(nn.Module):
+    """A decoder whose head is TRL's fused head as amp traces it, every statistic asked for."""
+
+    OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body = nn.Embedding(V, D), nn.Sequential(nn.Linear(D, D), nn.GELU())
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids, labels):
+        from amp_compiler.integrations.trl_head import log_prob_statistics
+
+        h = self.body(self.emb(ids)).flatten(0, 1)
+        logps, entropy, *logged = log_prob_statistics(
+            h, self.head.weight, None, labels.clamp(min=0).flatten(), 0.7, 64, 30.0, 1.0, self.OUTPUTS
+        )
+        return -logps.mean() + 0.1 * entropy.mean(), entropy, *logged
+
+
+def test_trl_heads_statistics_run_in_the_fused_head_with_every_output():
+    """TRL's head (log-probs, entropy, log sum p^2, mean logit, top-1; temperature and soft-cap)
+    under loss_head="fused": amp's head op executed, asked for the three extras, on 16-bit
+    hidden states; the logits' statistics op did not run and nothing of the logits' size was
+    saved; every output and gradient is the unfused head's."""
+    torch.manual_seed(0)
+    model = TrlHead()
+    plain = copy.deepcopy(model)
+    backend, rec, (fused,), saved = _run(model, "fused")
+    _, rec_off, (off,), saved_off = _run(plain, "off")
+    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.float32]]
+    assert not rec.dtypes_of(LOGITS_STATS) and rec_off.dtypes_of(LOGITS_STATS) and not rec_off.dtypes_of(HEAD)
+    (row,) = [n for n in backend.nodes if n.op == "amp.head_stats.default"]
+    assert "log_prob_stats" in row.reason
+    assert max(t.numel() for t in saved) < 64 * V <= max(t.numel() for t in saved_off)
+    for a, b in zip(fused[:4], off[:4]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=2e-3)
+    assert (fused[4] == off[4]).float().mean() > 0.95  # top-1 flips only where 16-bit rounding ties
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
 
 
 def test_exact_head_matches_fp64_and_default_is_no_worse_than_16_bit():
@@ -383,30 +517,56 @@ def test_a_head_left_as_written_says_why(loss, why):
     assert MIN_VOCAB > 64
 
 
+class Shapes(OpRecorder):
+    """Also records the sizes of each matmul's operands."""
+
+    def record(self, op, args, kwargs):
+        super().record(op, args, kwargs)
+        if op in MATMULS:
+            self.calls[-1] = (*self.calls[-1], {d for a in args if isinstance(a, torch.Tensor) for d in a.shape})
+
+
+def _projections(rec):
+    """The vocabulary projections the graphs executed (matmuls with a V-sized operand)."""
+    return [c for c in rec.calls if c[0] in MATMULS and V in c[2]]
+
+
 def test_logits_read_elsewhere_are_kept_for_that_reader():
+    """Logits another op reads too: the loss's statistics are read from them (amp::logits_stats,
+    no second projection), the FP32 log-probs are not kept for backward."""
     torch.manual_seed(0)
     model = Decoder("entropy_too")
     plain = copy.deepcopy(model)
-    done, rec, (loss,), _ = _run(model, "fused")
-    _, _, (loss_off,), _ = _run(plain, "off")
+    done, rec, (loss,), saved = _run(model, "fused")
+    _, _, (loss_off,), saved_off = _run(plain, "off")
     (head,) = done.fused
-    assert rec.dtypes_of(HEAD) and head["logits_kept_for"] == ["to_1"]  # the second .float()
+    assert rec.dtypes_of(LOGITS_STATS) and not rec.dtypes_of(HEAD)
+    assert head["logits_kept_for"] == ["to_1"] and head["from_logits"]  # the second .float()
+    fp32_logits = [[t for t in ts if t.numel() == 64 * V and t.dtype == torch.float32] for ts in (saved, saved_off)]
+    assert len(fp32_logits[0]) < len(fp32_logits[1])
     assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
 
 
-def test_logits_returned_too_are_kept_intact():
-    """A model that returns its logits beside the loss: the loss is fused, the logits are the
-    ones the unfused graph returns, bit for bit, and the plan names who kept them."""
+def test_logits_returned_too_are_kept_intact_and_projected_once():
+    """A model that returns its logits beside the loss: the loss's statistics are read from the
+    logits the graph returns (one projection forward, as written; not a second in a fused
+    head), the logits are the unfused graph's bit for bit, the plan names who kept them, and
+    the FP32 log-probs are not kept for backward."""
     torch.manual_seed(0)
     model = Decoder("hf", returns_logits=True)
     plain = copy.deepcopy(model)
-    backend, rec, ((loss, logits),), _ = _run(model, "fused")
-    _, _, ((loss_off, logits_off),), _ = _run(plain, "off")
-    assert rec.dtypes_of(HEAD)
+    backend, rec, ((loss, logits),), saved = _run(model, "fused", rec=Shapes())
+    _, rec_off, ((loss_off, logits_off),), saved_off = _run(plain, "off", rec=Shapes())
+    assert rec.dtypes_of(LOGITS_STATS) and not rec.dtypes_of(HEAD)
+    assert len(_projections(rec)) == len(_projections(rec_off)) == 3  # forward, and two in backward
     assert logits.dtype == torch.float32 and torch.equal(logits, logits_off)
     (head,) = _fused(backend)
-    assert head["logits_kept_for"] == ["output"]
+    assert head["logits_kept_for"] == ["output"] and head["saved_bytes"] == 64 * V * 4
+    assert not [t for t in saved if t.numel() == 64 * V and t.dtype == torch.float32]
+    assert [t for t in saved_off if t.numel() == 64 * V and t.dtype == torch.float32]
     assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
 
 
 def test_tied_weights_get_one_gradient():
@@ -495,7 +655,8 @@ def test_doctor_sees_the_fused_loss_beside_the_one_it_replaces():
 
 def test_hugging_face_causal_lm_with_labels_fuses_and_returns_its_logits():
     """A transformers causal LM (ForCausalLMLoss: .float(), pad-and-shift, ignore_index=-100)
-    called with labels: the head is fused, the returned logits are the unfused graph's."""
+    called with labels: the loss's statistics are read from the BF16 logits it returns (no
+    FP32 log-probs kept), the returned logits are the unfused graph's."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=V,
@@ -521,8 +682,8 @@ def test_hugging_face_causal_lm_with_labels_fuses_and_returns_its_logits():
 
     out, rec, done = run(model, "fused")
     out_off, _, _ = run(plain, "off")
-    assert [d[:2] for d in rec.dtypes_of(HEAD)] == [[torch.bfloat16, torch.float32]]
-    assert done.fused[0]["logits_kept_for"]  # the model returns them
+    assert [d[:1] for d in rec.dtypes_of(LOGITS_STATS)] == [[torch.bfloat16]] and not rec.dtypes_of(HEAD)
+    assert done.fused[0]["logits_kept_for"]  # the model returns them: read, not projected again
     assert torch.equal(out.logits, out_off.logits)
     assert out.loss.item() == pytest.approx(out_off.loss.item(), rel=2e-3)
     assert cosine(model.lm_head.weight.grad.flatten(), plain.lm_head.weight.grad.flatten()) > 0.999

@@ -269,6 +269,42 @@ def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
     assert ran == [1]
 
 
+def test_sft_head_runs_as_amps_fused_head_with_entropy_and_top1(tmp_path):
+    """SFT asks TRL's head for log-probs, entropy and top-1. With loss_head="fused" (8192-entry
+    vocabulary) amp's blocked head op executed on BF16 hidden states, the logits' statistics
+    op never ran (no [tokens, vocabulary] logits), and SFT's logged entropy and token accuracy
+    are those of the head left as written."""
+    from amp_compiler.loss_head import MIN_VOCAB
+
+    vocab = MIN_VOCAB
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_dict(
+        {"text": [" ".join(f"w{int(i)}" for i in torch.randint(0, 125, (12,), generator=g))] * 8}
+    )
+    logs, recs = {}, {}
+    for head in ("fused", "off"):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=125, bos_token_id=126, eos_token_id=127,
+        )  # fmt: skip
+        recs[head] = rec = OpRecorder()
+        callback = AmpCallback(inner=recording_backend(rec), loss_head=head)
+        trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=SFTConfig(**common(tmp_path / head)), train_dataset=ds,
+                             processing_class=tokenizer(), callbacks=[callback])  # fmt: skip
+        trainer.train()
+        logs[head] = [h for h in trainer.state.log_history if "entropy" in h]
+    fused_head = recs["fused"].dtypes_of(torch.ops.amp.head_stats)
+    assert fused_head and all(d[:2] == [torch.bfloat16, torch.float32] for d in fused_head)
+    assert not recs["fused"].dtypes_of(torch.ops.amp.logits_stats)
+    assert recs["off"].dtypes_of(torch.ops.amp.logits_stats) and not recs["off"].dtypes_of(torch.ops.amp.head_stats)
+    assert len(logs["fused"]) == len(logs["off"]) == 2
+    for a, b in zip(logs["fused"], logs["off"]):
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-2)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+        assert a["mean_token_accuracy"] == pytest.approx(b["mean_token_accuracy"], abs=0.05)
+
+
 def test_trl_bench_tool_times_trl_and_amp_side_by_side(capsys):
     """tools/trl_bench.py runs SFT's default config without and with AmpCallback (tiny here)
     and prints both step times and their ratio."""

@@ -2,6 +2,7 @@
 
     python tools/trl_bench.py                     # a 32k-vocabulary Llama, 4 x 256 tokens
     python tools/trl_bench.py --vocab 151936 --d 896
+    python tools/trl_bench.py --loss-head fused  # amp fuses the head whatever the memory
 
 The model is a ``LlamaForCausalLM`` built from a config (2 layers, d=256, no download), the
 data random words of a word-level tokenizer over the whole vocabulary. ``SFTConfig``'s
@@ -66,7 +67,7 @@ def run(args, data, amp: bool) -> float:
         args=sft,
         train_dataset=data,
         processing_class=tokenizer(v),
-        callbacks=[timer, *([AmpCallback()] if amp else [])],
+        callbacks=[timer, *([AmpCallback(loss_head=args.loss_head)] if amp else [])],
     )
     trainer.train()
     return statistics.median(timer.times[args.warmup :]) * 1e3
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiles)")
     p.add_argument("--reps", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--loss-head", default="auto", choices=["auto", "fused", "off", "exact"], help="AmpCallback's")
     args = p.parse_args(argv)
     try:
         import datasets
@@ -101,7 +103,8 @@ def main(argv=None) -> int:
     trl, amp = min(times[False]), min(times[True])
     print(
         f"TRL SFT, vocabulary {args.vocab}, d={args.d}, {args.batch} x {args.seq} tokens, torch {torch.__version__}: "
-        f"TRL's bf16 {trl:.1f} ms/step, AmpCallback {amp:.1f} ms/step, {amp / trl:.2f}x"
+        f"TRL's bf16 {trl:.1f} ms/step, AmpCallback (loss_head={args.loss_head!r}) {amp:.1f} ms/step, "
+        f"{amp / trl:.2f}x"
     )
     return 0
 

@@ -5,15 +5,22 @@ Function (``ChunkedLogProbFunction``) that projects in tiles with ``torch.mm(...
 folds each tile into online statistics. Dynamo cannot trace it (``out=`` into a view, a
 generator), so the LM head ran eagerly in FP32 outside every graph. While Dynamo traces a
 forward, the Function is replaced by the same statistics written as plain ops: the vocabulary
-projection joins the plan (16 bit), softmax statistics stay FP32, and where only the target
-log-probs are asked for amp's loss-head pass fuses the projection and log-softmax into its
-blocked head op. Called outside a compile, TRL's own Function runs unchanged.
+projection joins the plan (16 bit) and the statistics are amp's own op on the logits
+(``amp::logits_stats``: FP32 inside, one generated kernel, no FP32 copy of the logits), which
+amp's loss-head pass turns into its blocked head op (``amp::head_stats``: the logits never
+whole, as in TRL's tiles) where ``loss_head`` fuses. Called outside a compile, TRL's own
+Function runs unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from amp_compiler.loss_head import NO_IGNORE
+
+# TRL's outputs -> amp's statistics (log-probs and the mean logit come from the loss's own)
+_EXTRAS = {"entropy": "entropy", "log_sum_sq_probs": "log_sum_sq", "is_top1": "top1"}
 
 
 def log_prob_statistics(
@@ -36,14 +43,16 @@ def log_prob_statistics(
     if final_logit_softcapping is not None:
         z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
     z = z / temperature
-    logp = F.log_softmax(z, dim=-1)
-    log_probs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
-    with torch.no_grad():  # TRL marks these non-differentiable
-        log_sum_sq = torch.logsumexp(2 * logp, dim=-1) if "log_sum_sq_probs" in outputs else None
-        mean = z.float().mean(-1) if "mean_logits" in outputs else None
-        top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
-    return log_probs, entropy, log_sum_sq, mean, top1
+    extras = ",".join(amp for trl, amp in _EXTRAS.items() if trl in outputs)
+    mean = "mean_logits" in outputs
+    picked, lse, total, entropy, log_sum_sq, top1 = torch.ops.amp.logits_stats(z, targets, "", NO_IGNORE, mean, extras)
+    return (
+        picked - lse,
+        entropy if "entropy" in outputs else None,
+        log_sum_sq.detach() if "log_sum_sq_probs" in outputs else None,  # TRL marks these non-differentiable
+        (total / z.shape[-1]).detach() if mean else None,
+        top1 if "is_top1" in outputs else None,
+    )
 
 
 def plan_trl_head() -> bool:
