@@ -130,11 +130,17 @@ class _Fusion:
         # the FP32 master weight (not its 16-bit copy): cast per call, its gradient kept FP32
         w, b = _source(w), _source(b)
         exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == torch.float32
-        self.choice = self._choose(head, vocab) if self.ctx.options.loss_head == "auto" else ""
-        if exact:
-            h = _source(h)
         ends = {self.consumer, self.node.args[0]}
         kept = [u.name for n in path for u in n.users if u not in path and u not in ends]
+        self.choice = ""
+        if self.ctx.options.loss_head == "auto":
+            self.choice = (
+                "auto: statistics read from the logits the graph keeps anyway (as fast as the head as written)"
+                if kept and not exact
+                else self._choose(head, vocab)
+            )
+        if exact:
+            h = _source(h)
         return self._rewrite(head, h, w, b, row_ops, chain, path, exact, vocab, width, kept)
 
     def _choose(self, head: torch.fx.Node, vocab: int) -> str:

@@ -201,7 +201,7 @@ def test_head_block_tool_times_both_ways_of_the_same_math(capsys):
     at = torch.randint(-1, 16, (16,), generator=g)
     top, zeros = torch.full((16,), float("-inf")), torch.zeros(16)
     want = head_block.eager_forward(z, top, zeros.clone(), at)
-    got = loss_head._stats_block(z, top, zeros, zeros, zeros, at, (), False)
+    got = loss_head._stats_block(z, loss_head._start(16, z), at, (), False, (False, False, False))
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     torch.testing.assert_close(got[2], torch.where(at >= 0, want[2], 0.0))

@@ -750,6 +750,18 @@ def test_auto_fuses_where_the_logits_would_take_an_eighth_of_the_memory():
     assert "auto: fused, the logits as written would take at least 1/8 of the memory (16.0 MiB)" in row.reason
 
 
+def test_auto_reads_the_statistics_from_logits_the_graph_returns():
+    """Returned logits are kept anyway: whatever the memory, the default reads the loss's
+    statistics from them (as fast as the head as written: measured equal on a Llama) and
+    keeps no FP32 log-probs; the plan says so."""
+    torch.manual_seed(0)
+    done, rec, _, saved = _run(Decoder("hf", returns_logits=True), "auto", memory_bytes=1 << 40)
+    assert rec.dtypes_of(LOGITS_STATS) and not rec.dtypes_of(HEAD)
+    assert not [t for t in saved if t.numel() == 64 * V and t.dtype == torch.float32]
+    (row,) = [n for n in done.nodes if n.op == "amp.logits_stats.default"]
+    assert "auto: statistics read from the logits the graph keeps anyway" in row.reason
+
+
 def test_auto_weighs_the_devices_memory_by_default(monkeypatch):
     """Without memory_bytes the device's total decides (patched: 16 MiB makes 3 MiB large)."""
     import importlib
