@@ -12,8 +12,9 @@ Recognised, after casts are placed (so the projection's inputs are in the plan's
 becomes ``amp::head_stats`` (``amp_compiler.loss_head``) on ``h`` with the same views
 applied, and the loss rebuilt from its three per-token FP32 statistics with ordinary
 ops (ignore_index, label smoothing, reduction); ``amp::logits_stats`` becomes
-``amp::head_stats`` with the same outputs. The logits' other users, if any (a model
-output), keep them as written. A head that does not match is left exactly as it was,
+``amp::head_stats`` with the same outputs. Logits with another reader (a model output)
+stay as written and the loss reads its statistics from them (``amp::logits_stats``, no
+second projection). A head that does not match is left exactly as it was,
 with the reason on its loss node.
 """
 
