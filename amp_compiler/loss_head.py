@@ -356,9 +356,7 @@ def head_stats_backward(
     ``g_entropy`` and ``entropy`` empty where no entropy gradient flows."""
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
-    valid = target != ignore_index
-    safe = torch.where(valid, target, 0)
-    g_picked = g_picked * valid
+    safe, g_picked = _ignored(target, ignore_index, g_picked)
     with_entropy = entropy.numel() > 0
     grad_dtype = torch.float32 if exact else h.dtype
     dh = torch.empty_like(h)
@@ -394,11 +392,20 @@ def _(g_picked, g_lse, g_total, g_entropy, h, w, b, target, lse, entropy, chain,
     return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
 
 
-def _row_grads(lse, g_picked, g_lse, g_total, g_entropy):
-    """The statistics' incoming gradients, zeros where none flowed (entropy: empty)."""
+def _ignored(target: torch.Tensor, ignore_index: int, g_picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets safe to index with (0 where ignored), and the target logits' gradient there zeroed."""
+    valid = target != ignore_index
+    return torch.where(valid, target, 0), g_picked * valid
+
+
+def _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy):
+    """The statistics' incoming gradients, zeros where none flowed, and the entropies the
+    backward needs (both empty where no entropy gradient flowed)."""
     zeros = lse.new_zeros(lse.shape)
     pick = [zeros if g is None else g for g in (g_picked, g_lse, g_total)]
-    return (*pick, lse.new_empty(0) if g_entropy is None else g_entropy)
+    if g_entropy is None or entropy.numel() == 0:
+        return (*pick, lse.new_empty(0), lse.new_empty(0))
+    return (*pick, g_entropy, entropy)
 
 
 def _setup_context(ctx, inputs, output):
@@ -411,19 +418,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
     h, w, b, target, lse, entropy = ctx.saved_tensors
-    g_picked, g_lse, g_total, g_entropy = _row_grads(lse, g_picked, g_lse, g_total, g_entropy)
+    *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
     dh, dw, db = torch.ops.amp.head_stats_backward(
-        g_picked,
-        g_lse,
-        g_total,
-        g_entropy,
-        h,
-        w,
-        b if ctx.has_bias else None,
-        target,
-        lse,
-        entropy if g_entropy.numel() else entropy.new_empty(0),
-        *ctx.args,
+        *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args
     )
     return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
@@ -463,15 +460,15 @@ def logits_stats_backward(
     ignore_index: int,
 ) -> torch.Tensor:
     """dLoss/dz in ``z``'s dtype (``g_entropy`` and ``entropy`` empty where no entropy gradient flows)."""
-    valid = target != ignore_index
+    safe, g_picked = _ignored(target, ignore_index, g_picked)
     ent = (entropy, g_entropy) if entropy.numel() else (None, None)
     dz, _ = _kernel(_grad_block)(
         z,
         lse,
         g_lse,
         g_total,
-        g_picked * valid,
-        torch.where(valid, target, 0),
+        g_picked,
+        safe,
         parse_chain(chain),
         z.dtype,
         False,
@@ -494,9 +491,8 @@ def _logits_setup_context(ctx, inputs, output):
 
 def _logits_backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
     z, target, lse, entropy = ctx.saved_tensors
-    g_picked, g_lse, g_total, g_entropy = _row_grads(lse, g_picked, g_lse, g_total, g_entropy)
-    entropy = entropy if g_entropy.numel() else entropy.new_empty(0)
-    dz = torch.ops.amp.logits_stats_backward(g_picked, g_lse, g_total, g_entropy, z, target, lse, entropy, *ctx.args)
+    *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
+    dz = torch.ops.amp.logits_stats_backward(*grads, g_entropy, z, target, lse, entropy, *ctx.args)
     return dz, None, None, None, None, None
 
 

@@ -117,6 +117,7 @@ class _Fusion:
         self.consumer = consumer  # the node replaced by the rebuilt loss
         self.created: list[torch.fx.Node] = []
         self.choice = ""  # loss_head="auto": why fused
+        self.from_logits = False  # the statistics read from logits the graph keeps anyway
 
     # -- recognise ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -133,11 +134,15 @@ class _Fusion:
         exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == torch.float32
         ends = {self.consumer, self.node.args[0]}
         kept = [u.name for n in path for u in n.users if u not in path and u not in ends]
-        self.choice = ""
+        # logits the graph keeps anyway (a model output): their statistics are read from them,
+        # not from a second projection; only the FP32 log-probs are spared
+        self.from_logits = bool(kept) and not exact
+        if self.from_logits and self.kind == "log_prob_stats":
+            raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
         if self.ctx.options.loss_head == "auto":
             self.choice = (
                 "auto: statistics read from the logits the graph keeps anyway (as fast as the head as written)"
-                if kept and not exact
+                if self.from_logits
                 else self._choose(head, vocab)
             )
         if exact:
@@ -281,11 +286,8 @@ class _Fusion:
         tokens = self._tokens()
         rows, cols = block_shape(tokens, vocab, _val(h).device.type)
         blocks = f"blocks of {rows} tokens x {cols} vocabulary entries" if rows else "blocks of 4M logits"
-        # logits the graph keeps anyway (a model output): their statistics are read from them,
-        # not from a second projection; only the FP32 log-probs are spared
-        from_logits = bool(kept) and not exact
-        if from_logits and self.kind == "log_prob_stats":
-            raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
+        from_logits = self.from_logits
+        choice = f"; {self.choice}" if self.choice else ""
         with self.graph.inserting_before(self.node):
             x = head if from_logits else h
             for op in row_ops:  # the views the logits went through, on h (or on the logits)
@@ -293,7 +295,12 @@ class _Fusion:
                 args[0] = x
                 if target in RESHAPES:  # reshape: the contiguous() copies between were skipped
                     target, args[1] = aten.reshape.default, [*list(args[1])[:-1], vocab if from_logits else width]
-                x = self._emit(target, args, "the logits' view, applied to the head's input", Precision.PASSTHROUGH)
+                why = (
+                    "the logits' view, replayed on the 16-bit logits"
+                    if from_logits
+                    else "the logits' view, applied to the head's input"
+                )
+                x = self._emit(target, args, why, Precision.PASSTHROUGH)
             extras, with_sum = "", None
             if self.kind == "log_prob_gather":
                 x = self._emit(aten.flatten.using_ints, [x, 0, -2], "rows of the head's input", Precision.PASSTHROUGH)
@@ -317,7 +324,7 @@ class _Fusion:
                     f"loss statistics ({self.kind}, vocabulary {vocab}) read from the {dtype_name(low)} logits "
                     f"the graph keeps for {', '.join(kept)} (not projected again), log-sum-exp and target in "
                     f"FP32 inside one generated kernel; {_size(saved_bytes) if saved_bytes else '4 bytes a logit'} "
-                    "of FP32 log-probs not kept for backward" + (f"; {self.choice}" if self.choice else ""),
+                    "of FP32 log-probs not kept for backward" + choice,
                     Precision.FP32,
                 )
             else:
@@ -331,8 +338,7 @@ class _Fusion:
                     [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras],
                     f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
                     f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
-                    f"{_saved(tokens, vocab, low)} of logits not kept for backward"
-                    + (f"; {self.choice}" if self.choice else ""),
+                    f"{_saved(tokens, vocab, low)} of logits not kept for backward{choice}",
                     Precision.FP32 if exact else Precision.LOW,
                 )
             if self.kind == "log_prob_stats":  # the same outputs: its getitem users read them

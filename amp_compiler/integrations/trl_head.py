@@ -4,7 +4,7 @@ TRL (>= 1.16) trainers compute per-token log-probs through ``add_fused_lm_head``
 Function (``ChunkedLogProbFunction``) that projects in tiles with ``torch.mm(..., out=)`` and
 folds each tile into online statistics. Dynamo cannot trace it (``out=`` into a view, a
 generator), so the LM head ran eagerly in FP32 outside every graph. While Dynamo traces a
-forward, the Function is replaced by the same statistics written as plain ops: the vocabulary
+forward, the Function is replaced by the same statistics written traceably: the vocabulary
 projection joins the plan (16 bit) and the statistics are amp's own op on the logits
 (``amp::logits_stats``: FP32 inside, one generated kernel, no FP32 copy of the logits), which
 amp's loss-head pass turns into its blocked head op (``amp::head_stats``: the logits never
@@ -36,7 +36,7 @@ def log_prob_statistics(
 ):
     """What ``ChunkedLogProbFunction.apply`` returns (log-probs, entropy, log of the sum of
     squared probabilities, mean logit, whether the target is the first argmax; ``None`` for
-    what ``outputs`` does not ask for), as traceable ops. ``chunk_size`` is TRL's tiling: the
+    what ``outputs`` does not ask for), traceably. ``chunk_size`` is TRL's tiling: the
     plan does its own."""
     del chunk_size
     z = F.linear(hidden, weight, bias) * logit_scale
