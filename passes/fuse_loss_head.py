@@ -140,14 +140,22 @@ class _Fusion:
         if self.from_logits and self.kind == "log_prob_stats":
             raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
         if self.ctx.options.loss_head == "auto":
-            self.choice = (
-                "auto: statistics read from the logits the graph keeps anyway (as fast as the head as written)"
-                if self.from_logits
-                else self._choose(head, vocab)
-            )
+            self.choice = self._choose_kept(kept) if self.from_logits else self._choose(head, vocab)
         if exact:
             h = _source(h)
         return self._rewrite(head, h, w, b, row_ops, chain, path, exact, vocab, width, kept)
+
+    def _choose_kept(self, kept: list[str]) -> str:
+        """``loss_head="auto"`` where the logits are kept for another reader: read their
+        statistics where that spares the FP32 log-probs, else keep the head as written."""
+        if _recomputes_log_probs(self.ctx):
+            raise _NotFused(
+                f"auto: left as written: its logits are kept for {', '.join(kept)} anyway, and Inductor's "
+                "partitioner keeps no FP32 log-probs beside them, so reading their statistics in amp's op "
+                "would save no memory and was slower (1.2x the step of a 50k-vocabulary decoder on CPU); "
+                "loss_head='fused' reads them there"
+            )
+        return "auto: statistics read from the logits the graph keeps anyway (no FP32 log-probs kept beside them)"
 
     def _choose(self, head: torch.fx.Node, vocab: int) -> str:
         """``loss_head="auto"``: fuse where the logits kept for backward would take a large share
@@ -155,7 +163,7 @@ class _Fusion:
         tokens = self._tokens()
         if tokens is None:
             return "auto: fused, the number of tokens is dynamic (the logits' size has no bound here)"
-        kept = _saved_bytes(tokens, vocab, _val(head).dtype)
+        kept = _saved_bytes(tokens, vocab, _val(head).dtype, self.ctx)
         memory = self.ctx.options.memory_bytes or memory_bytes(_val(head).device)
         if kept * AUTO_SHARE < memory:
             raise _NotFused(
@@ -315,16 +323,15 @@ class _Fusion:
                 ignore = _arg(self.node, 4, "ignore_index", -100)
                 smoothing = _arg(self.node, 5, "label_smoothing", 0.0) if self.kind == "cross_entropy" else 0.0
             with_sum = bool(smoothing) or bool(with_sum)
-            saved_bytes = _saved_bytes(tokens, vocab, low)
-            if from_logits:
-                saved_bytes = saved_bytes and saved_bytes * 4 // _per_logit(low)
+            saved_bytes = _saved_bytes(tokens, vocab, low, self.ctx)
+            if from_logits:  # the logits stay; only FP32 log-probs kept beside them are spared
+                saved_bytes = saved_bytes and saved_bytes - tokens * vocab * _per_logit(low, None)
                 stats = self._emit(
                     torch.ops.amp.logits_stats.default,
                     [x, target, format_chain(chain), ignore, with_sum, extras],
                     f"loss statistics ({self.kind}, vocabulary {vocab}) read from the {dtype_name(low)} logits "
                     f"the graph keeps for {', '.join(kept)} (not projected again), log-sum-exp and target in "
-                    f"FP32 inside one generated kernel; {_size(saved_bytes) if saved_bytes else '4 bytes a logit'} "
-                    "of FP32 log-probs not kept for backward" + choice,
+                    f"FP32 inside one generated kernel; {_saved_log_probs(saved_bytes, self.ctx)}" + choice,
                     Precision.FP32,
                 )
             else:
@@ -338,7 +345,7 @@ class _Fusion:
                     [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras],
                     f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
                     f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
-                    f"{_saved(tokens, vocab, low)} of logits not kept for backward{choice}",
+                    f"{_saved(tokens, vocab, low, self.ctx)} of logits not kept for backward{choice}",
                     Precision.FP32 if exact else Precision.LOW,
                 )
             if self.kind == "log_prob_stats":  # the same outputs: its getitem users read them
@@ -441,22 +448,38 @@ def _dtype_of(node: torch.fx.Node):
     return None
 
 
-def _per_logit(low: torch.dtype) -> int:
-    return torch.finfo(low).bits // 8 + 4
+def _recomputes_log_probs(ctx: PassContext) -> bool:
+    """Whether the inner compiler keeps only the 16-bit logits of a head as written, its
+    FP32 log-probs recomputed in backward (Inductor's partitioner: measured, the 50k-vocabulary
+    decoder keeps as much as with no head at all but its 16-bit logits and weight copy)."""
+    return ctx.options.inner == "inductor"
 
 
-def _saved_bytes(tokens, vocab: int, low: torch.dtype) -> int | None:
-    """The logits a 16-bit head keeps for backward: its 16-bit output and the FP32 log-probs."""
+def _per_logit(low: torch.dtype, ctx: PassContext | None) -> int:
+    """Bytes a head as written keeps for backward per logit: the 16-bit logits, and the FP32
+    log-probs where the inner compiler keeps them too (``ctx`` None: the 16-bit logits)."""
+    extra = 0 if ctx is None or _recomputes_log_probs(ctx) else 4
+    return torch.finfo(low).bits // 8 + extra
+
+
+def _saved_bytes(tokens, vocab: int, low: torch.dtype, ctx: PassContext) -> int | None:
+    """The logits a 16-bit head as written keeps for backward (None: tokens not known)."""
     if not isinstance(tokens, int):
         return None
-    return tokens * vocab * _per_logit(low)
+    return tokens * vocab * _per_logit(low, ctx)
+
+
+def _saved_log_probs(n: int | None, ctx: PassContext) -> str:
+    if _recomputes_log_probs(ctx):
+        return "no memory saved: Inductor keeps no FP32 log-probs beside the logits either"
+    return f"{_size(n) if n is not None else '4 bytes a logit'} of FP32 log-probs not kept for backward"
 
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _saved(tokens, vocab: int, low: torch.dtype) -> str:
-    n = _saved_bytes(tokens, vocab, low)
-    per = vocab * _per_logit(low)
+def _saved(tokens, vocab: int, low: torch.dtype, ctx: PassContext) -> str:
+    n = _saved_bytes(tokens, vocab, low, ctx)
+    per = vocab * _per_logit(low, ctx)
     return f"{n / 2**20:.1f} MiB" if n is not None else f"{per} bytes per token"

@@ -762,6 +762,26 @@ def test_auto_reads_the_statistics_from_logits_the_graph_returns():
     assert "auto: statistics read from the logits the graph keeps anyway" in row.reason
 
 
+def test_auto_under_inductor_leaves_returned_logits_as_written_and_says_why():
+    """Under Inductor the head as written keeps its 16-bit logits and no FP32 log-probs (its
+    partitioner recomputes them: checked here, the premise of the choice), so reading the
+    statistics in amp's op would save nothing: the default leaves the head as written."""
+    torch.manual_seed(0)
+    model = Decoder("hf", returns_logits=True)
+    backend = AmpBackend(dtype="bf16", loss_head="auto", memory_bytes=1 << 40)
+    torch._dynamo.reset()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss, logits = torch.compile(model, backend=backend)(*BATCH)
+    loss.backward()
+    done = Done(backend)
+    assert not done.fused
+    (row,) = [n for n in done.nodes if n.op == "aten.cross_entropy_loss.default"]
+    assert "auto: left as written: its logits are kept for output anyway" in row.reason
+    logits_saved = [t for t in saved if t.numel() == logits.numel()]
+    assert [t.dtype for t in logits_saved] == [torch.bfloat16]
+
+
 def test_auto_weighs_the_devices_memory_by_default(monkeypatch):
     """Without memory_bytes the device's total decides (patched: 16 MiB makes 3 MiB large)."""
     import importlib

@@ -2,6 +2,7 @@
 
     python tools/head_decoder.py                      # CPU: 2 x 1024 tokens; CUDA: 8 x 1024
     python tools/head_decoder.py --variants autocast-inductor,fused,off
+    python tools/head_decoder.py --returns-logits    # the model returns its logits too, as HF's do
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -10,7 +11,7 @@ interleaved in one process from the same weights, each forward + backward + Adam
 + autocast BF16, and ``torch.compile(backend=AmpBackend(loss_head=...))`` with the head
 as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``, unfused
 (``off``) and ``exact``. Prints median step times, the ratio to
-Inductor + autocast, and on CUDA each step's peak memory.
+Inductor + autocast, the bytes autograd saves for backward, and on CUDA each step's peak memory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from benchkit.measure import saved_bytes
 
 from amp_compiler import AmpBackend
 
@@ -30,8 +32,9 @@ VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, seq: int):
+    def __init__(self, vocab: int, d: int, layers: int, seq: int, returns_logits: bool = False):
         super().__init__()
+        self.returns_logits = returns_logits
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(seq, d))
         layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
@@ -42,7 +45,8 @@ class Decoder(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
         h = self.norm(self.body(self.emb(ids) + self.pos[: ids.shape[1]], mask=mask, is_causal=True))
         logits = h @ self.emb.weight.t()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+        return (loss, logits) if self.returns_logits else loss
 
 
 def make_step(kind: str, model: nn.Module, ids, labels, device: str):
@@ -53,13 +57,13 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
 
         def loss():
             with torch.autocast(device, dtype=torch.bfloat16):
-                return compiled(ids, labels)
+                return _loss(compiled(ids, labels))
     else:
         backend = AmpBackend(loss_head=kind)
         compiled = backend.compile(model)
 
         def loss():
-            return compiled(ids, labels)
+            return _loss(compiled(ids, labels))
 
     def step():
         value = loss()
@@ -68,7 +72,11 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
         opt.zero_grad(set_to_none=True)
         return value
 
-    return step, backend
+    return step, backend, loss
+
+
+def _loss(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 def choice(backend) -> str:
@@ -88,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--returns-logits", action="store_true", help="the model returns its logits beside the loss")
     args = p.parse_args(argv)
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in VARIANTS]:
@@ -95,19 +104,23 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.batch or (8 if device == "cuda" else 2)
     torch.manual_seed(0)
-    base = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
+    base = Decoder(args.vocab, args.d, args.layers, args.seq, args.returns_logits).to(device)
     ids = torch.randint(0, args.vocab, (batch, args.seq), device=device)
     labels = torch.randint(0, args.vocab, (batch, args.seq), device=device)
-    steps, backends = {}, {}
+    steps, backends, losses, params = {}, {}, {}, {}
     for k in kinds:
-        model = Decoder(args.vocab, args.d, args.layers, args.seq).to(device)
+        model = Decoder(args.vocab, args.d, args.layers, args.seq, args.returns_logits).to(device)
         model.load_state_dict(base.state_dict())
-        steps[k], backends[k] = make_step(k, model, ids, labels, device)
+        steps[k], backends[k], losses[k] = make_step(k, model, ids, labels, device)
+        params[k] = list(model.parameters())
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    peak = {}
+    peak, saved = {}, {}
     for k, step in steps.items():
         step()
         step()
+        saved[k] = saved_bytes(losses[k], params[k])
+        for p in params[k]:
+            p.grad = None
         if device == "cuda":
             sync()
             torch.cuda.reset_peak_memory_stats()
@@ -131,6 +144,9 @@ def main(argv=None) -> int:
         line = f"{k}: {ms:.1f} ms"
         if ref:
             line += f"  {ms / ref / 1e3:.2f}x autocast-inductor"
+        line += f"  saved {saved[k] / 2**20:.0f} MiB"
+        if "autocast-inductor" in saved:
+            line += f" ({saved[k] / saved['autocast-inductor']:.2f}x)"
         if k in peak:
             line += f"  peak {peak[k]:.0f} MiB"
         if k == "auto":
