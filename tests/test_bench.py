@@ -228,16 +228,23 @@ def test_serve_bench_times_every_served_form_and_names_what_it_skipped(tmp_path,
     assert "| 2x16 | amp |" in capsys.readouterr().out
 
 
-def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys):
+def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys, tmp_path):
     import head_decoder
 
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "32", "--reps", "1"]
+    out = tmp_path / "h.json"
     with torch.profiler.profile() as prof:
-        assert head_decoder.main(argv + ["--variants", "autocast-inductor,fused"]) == 0
+        assert head_decoder.main(argv + ["--variants", "autocast-inductor,fused", "--json", str(out)]) == 0
     assert any(e.name == "amp::head_stats" for e in prof.events())  # the tied matmul head was fused
+    report = json.loads(out.read_text())
+    saved = {k: v["saved_bytes"] for k, v in report["variants"].items()}
+    assert saved["fused"] + 2 * 32 * 8192 <= saved["autocast-inductor"]  # no 16-bit logits kept
+    assert report["machine"]["cpu_kind"] and report["size"]["vocab"] == 8192
     assert head_decoder.main(argv + ["--variants", "off,exact,auto"]) == 0
-    out = capsys.readouterr().out
+    printed = capsys.readouterr().out
     for k in head_decoder.VARIANTS:
-        assert f"{k}: " in out
-    assert "vocabulary 8192" in out
-    assert "(auto: left as written, faster" in out  # 3 MiB of logits: the plan's choice, printed
+        assert f"{k}: " in printed
+    assert "vocabulary 8192" in printed
+    assert "(auto: left as written, faster" in printed  # 1 MiB of logits: the plan's choice, printed
+    assert head_decoder.main(argv + ["--variants", "auto", "--returns-logits"]) == 0
+    assert "(auto: left as written: its logits are kept for" in capsys.readouterr().out

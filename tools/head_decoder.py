@@ -3,6 +3,7 @@
     python tools/head_decoder.py                      # CPU: 2 x 1024 tokens; CUDA: 8 x 1024
     python tools/head_decoder.py --variants autocast-inductor,fused,off
     python tools/head_decoder.py --returns-logits    # the model returns its logits too, as HF's do
+    python tools/head_decoder.py --json bench/head-decoder-cpu.json   # the figures, with the machine
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -17,6 +18,7 @@ Inductor + autocast, the bytes autograd saves for backward, and on CUDA each ste
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -24,9 +26,10 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from benchkit.measure import saved_bytes
+from benchkit.measure import machine, saved_bytes
 
 from amp_compiler import AmpBackend
+from amp_compiler.atomic import write_text
 
 VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
 
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--returns-logits", action="store_true", help="the model returns its logits beside the loss")
+    p.add_argument("--json", help="also write the figures and the machine's facts to this file")
     args = p.parse_args(argv)
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in VARIANTS]:
@@ -139,8 +143,14 @@ def main(argv=None) -> int:
     ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}")
+    results = {}
     for k in kinds:
         ms = statistics.median(times[k]) * 1e3
+        results[k] = {"step_ms": ms, "saved_bytes": saved[k], "vs_autocast_inductor": ms / ref / 1e3 if ref else None}
+        if k in peak:
+            results[k]["peak_mib"] = peak[k]
+        if k == "auto":
+            results[k]["choice"] = choice(backends[k])
         line = f"{k}: {ms:.1f} ms"
         if ref:
             line += f"  {ms / ref / 1e3:.2f}x autocast-inductor"
@@ -152,6 +162,11 @@ def main(argv=None) -> int:
         if k == "auto":
             line += f"  ({choice(backends[k])})"
         print(line)
+    if args.json:
+        size = {"batch": batch, "seq": args.seq, "vocab": args.vocab, "d": args.d, "layers": args.layers}
+        report = {"machine": machine(device, "bf16", "the head's variants in BF16"), "size": size}
+        report["returns_logits"], report["variants"] = args.returns_logits, results
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
 
