@@ -152,7 +152,7 @@ class _Fusion:
             raise _NotFused(
                 f"auto: left as written: its logits are kept for {', '.join(kept)} anyway, and Inductor's "
                 "partitioner keeps no FP32 log-probs beside them, so reading their statistics in amp's op "
-                "would save no memory and was slower (1.2x the step of a 50k-vocabulary decoder on CPU); "
+                "would save no memory and was slower (1.07-1.2x the step of a 50k-vocabulary decoder on CPU); "
                 "loss_head='fused' reads them there"
             )
         return "auto: statistics read from the logits the graph keeps anyway (no FP32 log-probs kept beside them)"
