@@ -88,7 +88,9 @@ class AmpOptions:
         figures in the plan. "exact": fused with the projection in FP32 (log-probs
         within 1e-3 nats of FP64). "off": the head runs as written. A head that
         cannot be fused stays as written, with the reason in the plan; logits the
-        graph also returns or uses elsewhere are kept as written.
+        graph also returns or uses elsewhere are kept as written, the loss reading
+        their statistics in amp's op under "fused" (and under "auto" where the inner
+        compiler would keep FP32 log-probs beside them: not Inductor).
     memory_bytes: the memory ``loss_head="auto"`` weighs the logits against. None
         (default): the device's total (a GPU's memory; on CPU the RAM, or the
         container's limit where smaller); ``make_train_step`` and ``AmpCallback`` in a
