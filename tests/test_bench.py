@@ -248,3 +248,25 @@ def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys
     assert "(auto: left as written, faster" in printed  # 1 MiB of logits: the plan's choice, printed
     assert head_decoder.main(argv + ["--variants", "auto", "--returns-logits"]) == 0
     assert "(auto: left as written: its logits are kept for" in capsys.readouterr().out
+
+
+def test_native_check_script_is_valid_and_calls_existing_tools():
+    """tools/native_check.sh (the native-BF16 figures in one command): valid bash, and every
+    tool and option it runs exists (a renamed flag would fail only on the machine it is for)."""
+    import re
+    import subprocess
+
+    script = Path(__file__).parent.parent / "tools" / "native_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text().replace("\\\n", " ")
+    calls = re.findall(r'"\$PY" (tools/\w+\.py)([^\n]*)', text)
+    assert {c[0] for c in calls} == {"tools/bench.py", "tools/head_decoder.py", "tools/trl_bench.py"}
+    for tool, args in calls:
+        usage = subprocess.run(
+            [sys.executable, str(script.parent.parent / tool), "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        for flag in re.findall(r"(--[a-z-]+)", args):
+            assert flag in usage, (tool, flag)
+        for names in re.findall(r"--workloads ([\w,-]+)", args):
+            known = {*bench.WORKLOADS, *bench.HF_WORKLOADS, *bench.HEAD_WORKLOADS}
+            assert set(names.split(",")) <= known, names

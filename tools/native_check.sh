@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every speed figure of a CPU with native BF16, as one command (~40 min on 2 cores), each in
+# bench/'s JSON format under $OUT (default bench/native-<date>-<cpu kind>/):
+#   bash tools/native_check.sh
+# Nothing else may run on the machine meanwhile (variants are interleaved, but a second
+# torch process moves every figure). On a CPU that emulates BF16 it refuses: 16-bit times
+# there say nothing about native speed (docs/performance.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+flags=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo 2>/dev/null | sort -u | tr '\n' ' ')
+case "$flags" in
+    *amx_bf16*) kind=amx ;;
+    *avx512_bf16*) kind=avx512bf16 ;;
+    *) echo "this CPU emulates BF16 (no avx512_bf16/amx_bf16): its 16-bit times are not native figures" >&2
+       exit 2 ;;
+esac
+OUT=${OUT:-bench/native-$(date +%F)-$kind}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log and exit code
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+
+echo "cpu flags: $flags" | tee "$OUT/steps.txt"
+step bench 1500 "$PY" tools/bench.py --json "$OUT/bench.json"
+step loss-head 900 "$PY" tools/bench.py --workloads lm-head-32k,lm-head-128k --dtype bf16 --json "$OUT/loss-head.json"
+step hf 900 "$PY" tools/bench.py --workloads hf-gpt2,hf-llama,hf-qwen2 --json "$OUT/hf.json"
+step head-decoder 600 "$PY" tools/head_decoder.py --reps 7 --json "$OUT/head-decoder.json"
+step head-decoder-returns-logits 600 "$PY" tools/head_decoder.py --reps 7 --returns-logits \
+    --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-returns-logits.json"
+step trl-sft 900 "$PY" tools/trl_bench.py
+grep -h "TRL SFT" "$OUT/trl-sft.log" | tee -a "$OUT/steps.txt"
+echo "figures in $OUT; render a table with: $PY tools/bench.py --table $OUT/bench.json"
