@@ -11,13 +11,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log and exit code
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
+source tools/steps.sh
 
 : >"$OUT/steps.txt"
 step install 120 "$PY" -m pip install --no-deps --no-build-isolation -e .

@@ -19,13 +19,7 @@ OUT=${OUT:-bench/native-$(date +%F)-$kind}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log and exit code
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
+source tools/steps.sh
 
 echo "cpu flags: $flags" | tee "$OUT/steps.txt"
 step bench 1500 "$PY" tools/bench.py --json "$OUT/bench.json"
