@@ -169,7 +169,7 @@ class _Fusion:
             raise _NotFused(
                 f"auto: left as written, faster: its logits kept for backward ({_size(kept)}) are under "
                 f"1/{AUTO_SHARE} of the memory ({_size(memory)}); fusing recomputes the projection in "
-                "backward (~1.1-1.2x the unfused head's step on CPU); loss_head='fused' fuses it"
+                "backward (~1.1-1.3x the unfused head's step on CPU); loss_head='fused' fuses it"
             )
         return f"auto: fused, the logits as written would take at least 1/{AUTO_SHARE} of the memory ({_size(memory)})"
 
