@@ -135,14 +135,14 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.float()).to(torch.bfloat16)
 
 
-def exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def exact_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` to FP32's accuracy for the loss head. Where BF16 GEMMs write FP32 it is three
     of them over the split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the
     split's remainders are ~2^-16 of each term: a relative error near 1e-5, far under the
-    head's 1e-3 nats); elsewhere one FP32 GEMM."""
+    head's 1e-3 nats); elsewhere one FP32 GEMM (into ``out`` where given)."""
     a, b = a.float(), b.float()
     if not _split_native(a.device):
-        return a @ b
+        return torch.mm(a, b, out=out)
     (ah, al), (bh, bl) = _halves(a), _halves(b)
     return _mm32(ah, bh).add_(_mm32(ah, bl)).add_(_mm32(al, bh))
 
@@ -151,7 +151,7 @@ def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bo
     """``h @ w.T + b`` as the GEMM wrote it (FP32 where exact or where the GEMM writes FP32),
     into ``out`` where given (``_block_buffer``)."""
     if exact:
-        z = exact_mm(h, w.t()) if out is None else torch.mm(h.float(), w.float().t(), out=out)
+        z = exact_mm(h, w.t(), out)
         return z if b is None else z.add_(b)
     w = w.to(h.dtype)
     if _writes_fp32(h.device, h.dtype):  # the logits are never rounded to 16 bit

@@ -325,7 +325,7 @@ class _Fusion:
             with_sum = bool(smoothing) or bool(with_sum)
             saved_bytes = _saved_bytes(tokens, vocab, low, self.ctx)
             if from_logits:  # the logits stay; only FP32 log-probs kept beside them are spared
-                saved_bytes = saved_bytes and saved_bytes - tokens * vocab * _per_logit(low, None)
+                saved_bytes = saved_bytes and tokens * vocab * _log_prob_bytes(self.ctx)
                 stats = self._emit(
                     torch.ops.amp.logits_stats.default,
                     [x, target, format_chain(chain), ignore, with_sum, extras],
@@ -455,11 +455,15 @@ def _recomputes_log_probs(ctx: PassContext) -> bool:
     return ctx.options.inner == "inductor"
 
 
-def _per_logit(low: torch.dtype, ctx: PassContext | None) -> int:
+def _log_prob_bytes(ctx: PassContext) -> int:
+    """Bytes per logit of the FP32 log-probs a head as written keeps beside its logits."""
+    return 0 if _recomputes_log_probs(ctx) else 4
+
+
+def _per_logit(low: torch.dtype, ctx: PassContext) -> int:
     """Bytes a head as written keeps for backward per logit: the 16-bit logits, and the FP32
-    log-probs where the inner compiler keeps them too (``ctx`` None: the 16-bit logits)."""
-    extra = 0 if ctx is None or _recomputes_log_probs(ctx) else 4
-    return torch.finfo(low).bits // 8 + extra
+    log-probs where the inner compiler keeps them too."""
+    return torch.finfo(low).bits // 8 + _log_prob_bytes(ctx)
 
 
 def _saved_bytes(tokens, vocab: int, low: torch.dtype, ctx: PassContext) -> int | None:

@@ -146,14 +146,15 @@ def main(argv=None) -> int:
     results = {}
     for k in kinds:
         ms = statistics.median(times[k]) * 1e3
-        results[k] = {"step_ms": ms, "saved_bytes": saved[k], "vs_autocast_inductor": ms / ref / 1e3 if ref else None}
+        ratio = ms / ref / 1e3 if ref else None
+        results[k] = {"step_ms": ms, "saved_bytes": saved[k], "vs_autocast_inductor": ratio}
         if k in peak:
             results[k]["peak_mib"] = peak[k]
         if k == "auto":
             results[k]["choice"] = choice(backends[k])
         line = f"{k}: {ms:.1f} ms"
-        if ref:
-            line += f"  {ms / ref / 1e3:.2f}x autocast-inductor"
+        if ratio:
+            line += f"  {ratio:.2f}x autocast-inductor"
         line += f"  saved {saved[k] / 2**20:.0f} MiB"
         if "autocast-inductor" in saved:
             line += f" ({saved[k] / saved['autocast-inductor']:.2f}x)"
