@@ -8,6 +8,7 @@ amp_compiler.explain(model, x).format_table()            # what runs in what, an
 from .backend import AmpBackend, CompileRecord, amp
 from .calibrate import Calibration, calibrate
 from .config import AmpConfig, AmpConfigError
+from .cpu_memory import MemoryReuse, reuse_freed_memory
 from .distributed import PrecisionMismatchError
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
@@ -39,6 +40,7 @@ __all__ = [
     "GraphPlan",
     "LossScaler",
     "MasterWeightsError",
+    "MemoryReuse",
     "NodePlan",
     "NonFiniteMonitor",
     "Policy",
@@ -50,4 +52,5 @@ __all__ = [
     "amp",
     "explain",
     "make_train_step",
+    "reuse_freed_memory",
 ]

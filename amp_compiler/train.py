@@ -38,6 +38,7 @@ import torch
 from .backend import AmpBackend
 from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE, check_share
+from .cpu_memory import MemoryReuse, fresh_bytes, reuse_freed_memory, reuse_if_remapping
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, agree_on_memory, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
@@ -85,6 +86,7 @@ class TrainStep:
         fused=None,
         compile_loss=True,
         max_uncompiled_share=MAX_UNCOMPILED_SHARE,
+        reuse_cpu_memory=None,
     ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
@@ -113,8 +115,26 @@ class TrainStep:
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = torch.ones((), device=self._params[0].device) if self._params else None
+        # None: decided after the second call (reuse_cpu_memory); else what was applied
+        self.memory_reuse: MemoryReuse | None = None
+        self._watch_memory = reuse_cpu_memory is None and _on_cpu(model)
+        if reuse_cpu_memory:
+            self.memory_reuse = reuse_freed_memory()
+        elif reuse_cpu_memory is False:
+            self.memory_reuse = MemoryReuse(False, "reuse_cpu_memory=False")
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
+        # the call after the first optimizer step runs what every later one runs (the first
+        # compiles, the first update allocates the optimizer's state): its fresh pages are the
+        # ones glibc will unmap and map again each step
+        watch = self._watch_memory and self.micro_step == self.grad_accum and self.memory_reuse is None
+        before = fresh_bytes() if watch else None
+        result = self._step(inputs, *targets)
+        if before is not None:
+            self.memory_reuse = reuse_if_remapping(fresh_bytes() - before)
+        return result
+
+    def _step(self, inputs: Any, *targets: Any) -> StepResult:
         self._batch = inputs
         loss = self.loss(inputs, *targets)
         first = self.plan_fingerprint is None  # this process's first step (also after a resume)
@@ -283,6 +303,7 @@ def make_train_step(
     ddp_comm_dtype: str | None = None,
     compile_loss: bool = True,
     max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
+    reuse_cpu_memory: bool | None = None,
 ) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
@@ -304,6 +325,10 @@ def make_train_step(
     ``max_uncompiled_share``: the first step refuses (``UncompiledModelError``, nothing
     updated) a model of which more than this share of the matmul/conv weight elements ran
     outside the compiled graphs, as written in FP32 (0: refuse any).
+    ``reuse_cpu_memory``: None (default) keeps freed CPU memory for reuse
+    (``cpu_memory.reuse_freed_memory``, process-wide) once a CPU model's second step has
+    mapped 64 MiB or more afresh and the machine has room for the process's peak again;
+    ``step.memory_reuse`` says what was decided and why. True applies it now, False never.
     """
     _check_master_weights(model)
     cfg = AmpConfig.load(config)
@@ -350,9 +375,14 @@ def make_train_step(
         fused=_fused_update(optimizer, max_grad_norm, fused_update),
         compile_loss=compile_loss,
         max_uncompiled_share=max_uncompiled_share,
+        reuse_cpu_memory=reuse_cpu_memory,
     )
     step.comm = comm
     return step
+
+
+def _on_cpu(model: torch.nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def _arguments(inputs) -> tuple[tuple, dict]:

@@ -65,6 +65,7 @@ from benchkit.measure import (  # noqa: F401 - bench.X for scripts and tests
     gemm_flops_by_dtype,
     gemm_peak_tflops,
     machine,
+    reuse_memory,
     roofline,
     run_workload,
     saved_activation_bytes,
@@ -145,6 +146,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every measurement to this file")
     p.add_argument("--plot", help="write a PNG of step-time ratios (matplotlib)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a saved run and exit")
+    p.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="keep freed CPU memory for reuse in every variant (amp_compiler.reuse_freed_memory)",
+    )
     a = p.parse_args(argv)
     if a.table:
         with open(a.table) as f:
@@ -177,6 +183,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    reuse_memory(a.reuse_memory)
     results = {"machine": machine(a.device, dtype, reason), "workloads": {}}
     peak = {d: gemm_peak_tflops(a.device, d) for d in {dtype, "fp32"}}
     results["machine"]["gemm_peak_tflops"] = peak

@@ -4,6 +4,7 @@
     python tools/head_decoder.py --variants autocast-inductor,fused,off
     python tools/head_decoder.py --returns-logits    # the model returns its logits too, as HF's do
     python tools/head_decoder.py --json bench/head-decoder-cpu.json   # the figures, with the machine
+    python tools/head_decoder.py --reuse-memory      # freed CPU memory kept for reuse (all variants)
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -26,7 +27,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from benchkit.measure import machine, saved_bytes
+from benchkit.measure import machine, reuse_memory, saved_bytes
 
 from amp_compiler import AmpBackend
 from amp_compiler.atomic import write_text
@@ -101,7 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--returns-logits", action="store_true", help="the model returns its logits beside the loss")
     p.add_argument("--json", help="also write the figures and the machine's facts to this file")
+    p.add_argument("--reuse-memory", action="store_true", help="keep freed CPU memory for reuse in every variant")
     args = p.parse_args(argv)
+    reuse_memory(args.reuse_memory)
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")

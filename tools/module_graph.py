@@ -34,6 +34,7 @@ LAYERS = [
             "fused_layers",
             "loss_head",
             "device",
+            "cpu_memory",
             "atomic",
             "policy_file",
             "monitor",

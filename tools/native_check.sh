@@ -28,6 +28,8 @@ step hf 900 "$PY" tools/bench.py --workloads hf-gpt2,hf-llama,hf-qwen2 --json "$
 step head-decoder 600 "$PY" tools/head_decoder.py --reps 7 --json "$OUT/head-decoder.json"
 step head-decoder-returns-logits 600 "$PY" tools/head_decoder.py --reps 7 --returns-logits \
     --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-returns-logits.json"
+step head-decoder-reuse-memory 600 "$PY" tools/head_decoder.py --reps 7 --returns-logits --reuse-memory \
+    --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-reuse-memory.json"
 step trl-sft 900 "$PY" tools/trl_bench.py
 grep -h "TRL SFT" "$OUT/trl-sft.log" | tee -a "$OUT/steps.txt"
 echo "figures in $OUT; render a table with: $PY tools/bench.py --table $OUT/bench.json"

@@ -67,7 +67,8 @@ def run(args, data, amp: bool) -> float:
         args=sft,
         train_dataset=data,
         processing_class=tokenizer(v),
-        callbacks=[timer, *([AmpCallback(loss_head=args.loss_head)] if amp else [])],
+        # the run sets the allocator for both (--reuse-memory): it is process-wide
+        callbacks=[timer, *([AmpCallback(loss_head=args.loss_head, reuse_cpu_memory=False)] if amp else [])],
     )
     trainer.train()
     return statistics.median(timer.times[args.warmup :]) * 1e3
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiles)")
     p.add_argument("--reps", type=int, default=2, help="runs of each, alternating")
     p.add_argument("--loss-head", default="auto", choices=["auto", "fused", "off", "exact"], help="AmpCallback's")
+    p.add_argument("--reuse-memory", action="store_true", help="keep freed CPU memory for reuse in both")
     args = p.parse_args(argv)
     try:
         import datasets
@@ -96,6 +98,9 @@ def main(argv=None) -> int:
         for _ in range(args.batch * (args.warmup + args.steps))
     ]
     data = datasets.Dataset.from_dict({"text": text})
+    from benchkit.measure import reuse_memory
+
+    reuse_memory(args.reuse_memory)
     times = {False: [], True: []}
     for _ in range(args.reps):
         for amp in (False, True):

@@ -26,7 +26,8 @@ log-probs precomputed in ``__init__`` (``precompute_ref_log_probs=True``) are co
 under the plan. ``torch_compile=True`` (a second compile) is refused. Before the first update, a model of
 which more than ``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran
 outside the compiled graphs (as written, in FP32) is refused with the modules and Dynamo's
-graph breaks named; nothing is updated.
+graph breaks named; nothing is updated. On CPU, freed memory is kept for reuse as
+``make_train_step`` keeps it (``reuse_cpu_memory``; ``callback.memory_reuse`` says why).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transformers import TrainerCallback
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..coverage import MAX_UNCOMPILED_SHARE, check_share
+from ..cpu_memory import MemoryReuse, fresh_bytes, reuse_freed_memory, reuse_if_remapping
 from ..device import resolve_dtype
 from ..distributed import agree_on_memory
 from ..monitor import NonFiniteMonitor
@@ -69,9 +71,13 @@ class AmpCallback(TrainerCallback):
         config=None,
         monitor: NonFiniteMonitor | None = None,
         max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
+        reuse_cpu_memory: bool | None = None,
         **options,
     ):
         self.config = AmpConfig.load(config)
+        self.reuse_cpu_memory = reuse_cpu_memory  # as make_train_step's
+        self.memory_reuse: MemoryReuse | None = None
+        self._fresh: int | None = None
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
         self.requested = self.explicit or "auto"
@@ -127,6 +133,10 @@ class AmpCallback(TrainerCallback):
         if model is None:
             return
         plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
+        if self.reuse_cpu_memory:
+            self.memory_reuse = reuse_freed_memory()
+        elif self.reuse_cpu_memory is False:
+            self.memory_reuse = MemoryReuse(False, "reuse_cpu_memory=False")
         self._plan_forward(model)
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
@@ -224,8 +234,18 @@ class AmpCallback(TrainerCallback):
             _hold_once(lr_scheduler)
         self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler, dtype=self.dtype)
 
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        # the step after the first update runs what every later one runs: its fresh pages
+        # are the ones glibc would unmap and map again each step (make_train_step's rule)
+        watch = self.memory_reuse is None and self.reuse_cpu_memory is None and state.global_step == 1
+        if watch and model is not None and _device_of(model).type == "cpu":
+            self._fresh = fresh_bytes()
+
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         _release(lr_scheduler)  # a hold the Trainer did not use (a scheduler it steps on metrics)
+        if self._fresh is not None:
+            self.memory_reuse = reuse_if_remapping(fresh_bytes() - self._fresh)
+            self._fresh = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.backend is None:

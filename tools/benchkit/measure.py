@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor import metrics as inductor_metrics
 
+from amp_compiler.cpu_memory import applied as cpu_memory_applied
+from amp_compiler.cpu_memory import reuse_freed_memory
 from amp_compiler.device import native_dtypes
 
 from .variants import LOSS_HEAD, CastCounter, Variant, make_variant
@@ -293,6 +295,21 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
     return {"size": size, "flops_per_step": flops, "variants": {v.name: v.result for v in vs}}
 
 
+def reuse_memory(asked: bool) -> None:
+    """``--reuse-memory``: keep freed CPU memory for every variant of the run. The setting is
+    process-wide, so a run compares its variants under one allocator setting: amp's training
+    steps get ``reuse_cpu_memory=False`` and leave it to this."""
+    if asked:
+        done = reuse_freed_memory()
+        if not done.applied:
+            raise SystemExit(f"--reuse-memory: not applied: {done.reason}")
+
+
+def _allocator() -> str:
+    done = cpu_memory_applied()
+    return f"freed memory reused ({done.reason})" if done else "the C library's default"
+
+
 def machine(device: str, dtype: str, reason: str) -> dict:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
@@ -309,6 +326,7 @@ def machine(device: str, dtype: str, reason: str) -> dict:
         "dtype": dtype,
         "dtype_reason": reason,
         "command": " ".join(["python"] + sys.argv),
+        "cpu_memory": _allocator(),
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()

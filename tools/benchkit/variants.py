@@ -85,7 +85,9 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
         options = {"memory_budget": LOWMEM_BUDGET} if name == "amp-step-lowmem" else None
         if name in LOSS_HEAD:
             options = {"loss_head": LOSS_HEAD[name]}
-        ts = make_train_step(model, opt, loss_fn, dtype=dtype, compile_options=options)
+        ts = make_train_step(  # the run sets the allocator for every variant (--reuse-memory)
+            model, opt, loss_fn, dtype=dtype, compile_options=options, reuse_cpu_memory=False
+        )
 
         def train(x, y, grab=None):
             fused = ts.fused
