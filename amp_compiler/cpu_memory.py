@@ -9,9 +9,10 @@ thresholds (``mallopt``) so freed blocks stay in the process and are reused: no 
 
 The price is memory: the process keeps its peak, and the heap can fragment beyond it
 (that decoder's peak RSS 1213 -> 1606 MiB when it returns its logits; unchanged when it
-does not). ``make_train_step`` applies it where a step maps fresh memory and the machine
-has room (``reuse_cpu_memory``). A user's own tuning (glibc's ``MALLOC_*`` variables or
-tunables, a preloaded jemalloc/tcmalloc/mimalloc) is left alone.
+does not). The training loops (``make_train_step``, ``AmpCallback``, the Lightning plugins)
+apply it where a step maps fresh memory and the machine has room (``reuse_cpu_memory``,
+``ReuseRule``). A user's own tuning (glibc's ``MALLOC_*`` variables or tunables, a
+preloaded jemalloc/tcmalloc/mimalloc) is left alone.
 """
 
 from __future__ import annotations
@@ -118,6 +119,32 @@ def reuse_if_remapping(mapped: int) -> MemoryReuse:
         log.info("amp: a training step mapped %.0f MiB of fresh CPU memory; freed memory is now reused", mib)
         return MemoryReuse(True, f"a step mapped {mib:.0f} MiB afresh; {done.reason}")
     return done
+
+
+class ReuseRule:
+    """``reuse_cpu_memory`` of the training loops (make_train_step, AmpCallback, the Lightning
+    plugins): None measures one step and decides by ``reuse_if_remapping``, True applies now,
+    False never. ``tick()`` at the same point of every step; the stretch from tick ``at`` (the
+    step after the first update: the first compiles and allocates the optimizer's state) to
+    the next is the step measured. ``decision`` says what was decided, None before."""
+
+    def __init__(self, asked: bool | None, on_cpu: bool, at: int = 1):
+        self.decision: MemoryReuse | None = None
+        if asked:
+            self.decision = reuse_freed_memory()
+        elif asked is False:
+            self.decision = MemoryReuse(False, "reuse_cpu_memory=False")
+        self._watch = asked is None and on_cpu and resource is not None
+        self._at, self._ticks, self._fresh = at, 0, None
+
+    def tick(self) -> None:
+        if not self._watch or self.decision is not None:
+            return
+        if self._fresh is not None:
+            self.decision = reuse_if_remapping(fresh_bytes() - self._fresh)
+        elif self._ticks == self._at:
+            self._fresh = fresh_bytes()
+        self._ticks += 1
 
 
 def fresh_bytes() -> int | None:

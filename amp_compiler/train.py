@@ -38,7 +38,7 @@ import torch
 from .backend import AmpBackend
 from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE, check_share
-from .cpu_memory import MemoryReuse, fresh_bytes, reuse_freed_memory, reuse_if_remapping
+from .cpu_memory import MemoryReuse, ReuseRule
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, agree_on_memory, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
@@ -115,26 +115,16 @@ class TrainStep:
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = torch.ones((), device=self._params[0].device) if self._params else None
-        # None: decided after the second call (reuse_cpu_memory); else what was applied
-        self.memory_reuse: MemoryReuse | None = None
-        self._watch_memory = reuse_cpu_memory is None and _on_cpu(model)
-        if reuse_cpu_memory:
-            self.memory_reuse = reuse_freed_memory()
-        elif reuse_cpu_memory is False:
-            self.memory_reuse = MemoryReuse(False, "reuse_cpu_memory=False")
+        self._reuse = ReuseRule(reuse_cpu_memory, _on_cpu(model), at=grad_accum)
+
+    @property
+    def memory_reuse(self) -> MemoryReuse | None:
+        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``); None
+        until the step after the first update has been measured."""
+        return self._reuse.decision
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
-        # the call after the first optimizer step runs what every later one runs (the first
-        # compiles, the first update allocates the optimizer's state): its fresh pages are the
-        # ones glibc will unmap and map again each step
-        watch = self._watch_memory and self.micro_step == self.grad_accum and self.memory_reuse is None
-        before = fresh_bytes() if watch else None
-        result = self._step(inputs, *targets)
-        if before is not None:
-            self.memory_reuse = reuse_if_remapping(fresh_bytes() - before)
-        return result
-
-    def _step(self, inputs: Any, *targets: Any) -> StepResult:
+        self._reuse.tick()
         self._batch = inputs
         loss = self.loss(inputs, *targets)
         first = self.plan_fingerprint is None  # this process's first step (also after a resume)

@@ -129,10 +129,11 @@ def test_train_step_decides_on_the_call_after_the_first_update(libc, monkeypatch
     monkeypatch.setattr(cpu_memory, "room_bytes", lambda: None)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     step = _step(grad_accum=2)
-    for _ in range(2):  # the first optimizer step (compiles, allocates the state)
+    # two calls to the first update (compiles, allocates the state); the third is measured
+    for _ in range(3):
         step(x, y)
         assert step.memory_reuse is None and libc.calls == []
-    step(x, y)
+    step(x, y)  # decided as the next step begins
     assert step.memory_reuse.applied and len(libc.calls) == 2
     step(x, y)
     assert len(libc.calls) == 2
@@ -181,4 +182,47 @@ def test_trainer_callback_decides_after_the_first_update(libc, monkeypatch, tmp_
 
     cb = AmpCallback("bf16", inner="eager")
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Spy()]).train()
-    assert seen[0] is None and seen[1].applied and len(libc.calls) == 2
+    assert seen[:2] == [None, None] and seen[2].applied and len(libc.calls) == 2
+
+
+def test_lightning_plugins_decide_after_the_first_update(libc, monkeypatch):
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.fabric import Fabric
+
+    from amp_compiler.integrations.lightning import AmpFabricPrecision, AmpPrecision
+
+    monkeypatch.setattr(cpu_memory, "FRESH_PER_STEP", 0)
+    monkeypatch.setattr(cpu_memory, "room_bytes", lambda: None)
+
+    class Regressor(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return ((self.net(batch[0]) - batch[1]) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    plugin = AmpPrecision("bf16", inner="eager")
+    pl.Trainer(
+        max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu",
+    ).fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=4))  # fmt: skip
+    assert plugin.memory_reuse.applied and len(libc.calls) == 2  # the second step measured, decided at the third
+    monkeypatch.setattr(cpu_memory, "_applied", None)
+    libc.calls.clear()
+    fabric_plugin = AmpFabricPrecision("bf16", inner="eager", reuse_cpu_memory=False)
+    assert fabric_plugin.memory_reuse == MemoryReuse(False, "reuse_cpu_memory=False")
+    fabric_plugin = AmpFabricPrecision("bf16", inner="eager")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[fabric_plugin])
+    net = nn.Linear(8, 1)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for i in range(3):
+        fabric.backward(((model(data.tensors[0]) - data.tensors[1]) ** 2).mean())
+        opt.step()
+        opt.zero_grad()
+        assert (fabric_plugin.memory_reuse is None) == (i < 2)
+    assert fabric_plugin.memory_reuse.applied and len(libc.calls) == 2

@@ -12,6 +12,8 @@ go to the Python logger and whose scale and skipped-step counts go to the Traine
 The first optimizer step refuses, before anything is updated, a module of which more than
 ``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran outside the
 compiled graphs (as written, in FP32), naming the modules and Dynamo's graph breaks.
+On CPU, freed memory is kept for reuse as ``make_train_step`` keeps it (``reuse_cpu_memory``;
+``plugin.memory_reuse`` says why).
 
 Lightning refuses ``precision=`` beside a precision plugin ("Received both precision=... and
 plugins=..."): give the dtype to ``AmpPrecision`` instead.
@@ -30,6 +32,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..coverage import MAX_UNCOMPILED_SHARE, check_share
+from ..cpu_memory import MemoryReuse, ReuseRule
 from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
 from ..plan import PrecisionPlan
@@ -44,12 +47,19 @@ class _AmpPlugin:
 
     backend: AmpBackend
     dtype: str
+    _reuse: ReuseRule
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dtype={self.dtype!r})"
 
     def plan(self) -> PrecisionPlan:
         return self.backend.plan()
+
+    @property
+    def memory_reuse(self) -> MemoryReuse | None:
+        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``); None
+        until the step after the first update has been measured."""
+        return self._reuse.decision
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Compile the module's ``forward`` and each child holding parameters: a
@@ -82,8 +92,9 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
                  monitor: NonFiniteMonitor | None = None, max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
-                 **options: Any) -> None:  # fmt: skip
+                 reuse_cpu_memory: bool | None = None, **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
+        self._reuse = ReuseRule(reuse_cpu_memory, device == "cpu")
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
         # takes its no-scaler path and then says what it is
@@ -94,6 +105,8 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
         self._checked = False
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        self._reuse.tick()  # forward and backward run inside: one tick a step
+
         def checked():  # after forward and backward, before the update
             out = closure()
             self._enforce(model)
@@ -120,14 +133,17 @@ class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
     they are (the plan casts); FP16 scaled by amp's ``LossScaler`` in ``fabric.backward``."""
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
-                 max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, **options: Any) -> None:  # fmt: skip
+                 max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, reuse_cpu_memory: bool | None = None,
+                 **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
+        self._reuse = ReuseRule(reuse_cpu_memory, device == "cpu")
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
         self._checked = False
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        self._reuse.tick()  # between two updates: the loop's forward and backward
         if getattr(self, "_module", None) is not None:  # what fabric.setup handed us, after backward
             self._enforce(self._module)
         return super().optimizer_step(optimizer, **kwargs)

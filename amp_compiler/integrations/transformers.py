@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..coverage import MAX_UNCOMPILED_SHARE, check_share
-from ..cpu_memory import MemoryReuse, fresh_bytes, reuse_freed_memory, reuse_if_remapping
+from ..cpu_memory import MemoryReuse, ReuseRule
 from ..device import resolve_dtype
 from ..distributed import agree_on_memory
 from ..monitor import NonFiniteMonitor
@@ -76,8 +76,7 @@ class AmpCallback(TrainerCallback):
     ):
         self.config = AmpConfig.load(config)
         self.reuse_cpu_memory = reuse_cpu_memory  # as make_train_step's
-        self.memory_reuse: MemoryReuse | None = None
-        self._fresh: int | None = None
+        self._reuse: ReuseRule | None = None
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
         self.requested = self.explicit or "auto"
@@ -133,10 +132,7 @@ class AmpCallback(TrainerCallback):
         if model is None:
             return
         plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
-        if self.reuse_cpu_memory:
-            self.memory_reuse = reuse_freed_memory()
-        elif self.reuse_cpu_memory is False:
-            self.memory_reuse = MemoryReuse(False, "reuse_cpu_memory=False")
+        self._reuse = ReuseRule(self.reuse_cpu_memory, _device_of(model).type == "cpu")
         self._plan_forward(model)
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
@@ -234,18 +230,17 @@ class AmpCallback(TrainerCallback):
             _hold_once(lr_scheduler)
         self.monitor.observe(skipped, scale_before=before, scale_after=after, scaler=self.scaler, dtype=self.dtype)
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        # the step after the first update runs what every later one runs: its fresh pages
-        # are the ones glibc would unmap and map again each step (make_train_step's rule)
-        watch = self.memory_reuse is None and self.reuse_cpu_memory is None and state.global_step == 1
-        if watch and model is not None and _device_of(model).type == "cpu":
-            self._fresh = fresh_bytes()
+    @property
+    def memory_reuse(self) -> MemoryReuse | None:
+        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``)."""
+        return None if self._reuse is None else self._reuse.decision
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._reuse is not None:
+            self._reuse.tick()
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         _release(lr_scheduler)  # a hold the Trainer did not use (a scheduler it steps on metrics)
-        if self._fresh is not None:
-            self.memory_reuse = reuse_if_remapping(fresh_bytes() - self._fresh)
-            self._fresh = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.backend is None:
