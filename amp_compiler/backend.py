@@ -17,6 +17,7 @@ from .autocast_region import autocast_around, autocast_region, warn_autocast_aro
 from .capture import to_aten
 from .checks import check_gradient_flow
 from .coverage import MAX_UNCOMPILED_SHARE, Coverage
+from .cpu_memory import MemoryReuse, ReuseRule
 from .device import device_of, resolve_dtype
 from .hops import inline_outlined
 from .inductor import inner_compiler
@@ -83,6 +84,7 @@ class AmpBackend:
         # plugins) checks coverage itself; the bare backend warns once about graph breaks
         self.owned = False
         self._breaks_warned = False
+        self._reuse: ReuseRule | None = None  # reuse_cpu_memory, where no loop owns us
 
     def __repr__(self) -> str:
         return f"AmpBackend(dtype={self.options.dtype!r}, graphs={len(self.records)})"
@@ -103,7 +105,42 @@ class AmpBackend:
             # FP32: the program plain torch.compile runs, its partition included (recomputing
             # in FP32 cost lm-sdpa 3-6% of a step where 16 bit is emulated)
             budget = 1.0
-        return inner_compiler(opts.inner, mode, budget)(record.graph, list(example_inputs))
+        compiled = inner_compiler(opts.inner, mode, budget)(record.graph, list(example_inputs))
+        return self._watch_memory(compiled, example_inputs, opts)
+
+    @property
+    def memory_reuse(self) -> MemoryReuse | None:
+        """Whether freed CPU memory is kept for reuse, and why (the ``reuse_cpu_memory``
+        option), as the bare backend decided it; None before (or where a loop owns it)."""
+        return None if self._reuse is None else self._reuse.decision
+
+    def _watch_memory(self, compiled: Callable, example_inputs, opts: AmpOptions) -> Callable:
+        """``reuse_cpu_memory`` for the bare backend: its first training graph on CPU runs once a
+        step, so the stretch from its third call to its fourth is a step after the first
+        update (the first two compile, and with accumulation the first update comes later).
+        A training loop that owns the backend measures its own steps. True or False given at a
+        later compile (the named backend is shared) replaces the rule: applied, or no longer
+        measured."""
+        if self.owned or _compiled_autograd_graph():
+            return compiled
+        if opts.reuse_cpu_memory is not None:
+            self._reuse = ReuseRule(opts.reuse_cpu_memory, on_cpu=True)  # True applies it now
+            return compiled
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        )
+        if self._reuse is not None or not (training and device_of(example_inputs).type == "cpu"):
+            return compiled
+        self._reuse = rule = ReuseRule(None, on_cpu=True, at=2)
+
+        def run(*args):
+            if self._reuse is rule:
+                rule.tick()
+            return compiled(*args)
+
+        if getattr(compiled, "_boxed_call", False):  # the calling convention travels with it
+            run._boxed_call = True
+        return run
 
     def rewrite(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: AmpOptions | None = None

@@ -95,6 +95,13 @@ class AmpOptions:
         (default): the device's total (a GPU's memory; on CPU the RAM, or the
         container's limit where smaller); ``make_train_step`` and ``AmpCallback`` in a
         distributed job set the smallest across ranks, so every rank makes the same choice.
+    reuse_cpu_memory: keep freed CPU memory for reuse (``cpu_memory.reuse_freed_memory``,
+        glibc's mmap and trim thresholds; process-wide). None (default): applied once a
+        CPU training step (the one after the first update) has mapped 64 MiB or more
+        afresh and the machine has room for the process's peak again, measured by the
+        training loop (make_train_step, AmpCallback, the Lightning plugins) or, with the
+        bare backend, between calls of its first training graph; ``memory_reuse`` on each
+        says what was decided and why. True: applied at the first compile. False: never.
     dump_dir: write the graph after every pass to this directory.
     policy_file: a calibrated policy file (``amp_compiler.calibrate``, see
         docs/calibration.md): its pins and overrides join these options; options
@@ -115,6 +122,7 @@ class AmpOptions:
     attention: str = "auto"
     loss_head: str = "auto"
     memory_bytes: int | None = None
+    reuse_cpu_memory: bool | None = None
     dump_dir: str | None = None
     policy_file: str | None = None
     policy_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -157,6 +165,11 @@ class AmpOptions:
         for name in ("strict", "low_precision_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise AmpOptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.reuse_cpu_memory is not None and not isinstance(self.reuse_cpu_memory, bool):
+            raise AmpOptionsError(
+                f"reuse_cpu_memory must be True, False or None (decide by a measured step), "
+                f"got {self.reuse_cpu_memory!r}"
+            )
         budget = self.memory_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:

@@ -86,7 +86,6 @@ class TrainStep:
         fused=None,
         compile_loss=True,
         max_uncompiled_share=MAX_UNCOMPILED_SHARE,
-        reuse_cpu_memory=None,
     ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.dtype, self.dtype_reason = dtype, dtype_reason
@@ -115,12 +114,12 @@ class TrainStep:
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = torch.ones((), device=self._params[0].device) if self._params else None
-        self._reuse = ReuseRule(reuse_cpu_memory, _on_cpu(model), at=grad_accum)
+        self._reuse = ReuseRule(backend.options.reuse_cpu_memory, _on_cpu(model), at=grad_accum)
 
     @property
     def memory_reuse(self) -> MemoryReuse | None:
-        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``); None
-        until the step after the first update has been measured."""
+        """Whether freed CPU memory is kept for reuse, and why (the ``reuse_cpu_memory``
+        option); None until the step after the first update has been measured."""
         return self._reuse.decision
 
     def __call__(self, inputs: Any, *targets: Any) -> StepResult:
@@ -293,7 +292,6 @@ def make_train_step(
     ddp_comm_dtype: str | None = None,
     compile_loss: bool = True,
     max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
-    reuse_cpu_memory: bool | None = None,
 ) -> TrainStep:
     """Build a ``TrainStep`` (see the module docstring).
 
@@ -315,10 +313,8 @@ def make_train_step(
     ``max_uncompiled_share``: the first step refuses (``UncompiledModelError``, nothing
     updated) a model of which more than this share of the matmul/conv weight elements ran
     outside the compiled graphs, as written in FP32 (0: refuse any).
-    ``reuse_cpu_memory``: None (default) keeps freed CPU memory for reuse
-    (``cpu_memory.reuse_freed_memory``, process-wide) once a CPU model's second step has
-    mapped 64 MiB or more afresh and the machine has room for the process's peak again;
-    ``step.memory_reuse`` says what was decided and why. True applies it now, False never.
+    On CPU, freed memory is kept for reuse where a step maps large blocks afresh (the
+    ``reuse_cpu_memory`` compile option); ``step.memory_reuse`` says what was decided and why.
     """
     _check_master_weights(model)
     cfg = AmpConfig.load(config)
@@ -365,7 +361,6 @@ def make_train_step(
         fused=_fused_update(optimizer, max_grad_norm, fused_update),
         compile_loss=compile_loss,
         max_uncompiled_share=max_uncompiled_share,
-        reuse_cpu_memory=reuse_cpu_memory,
     )
     step.comm = comm
     return step

@@ -116,12 +116,11 @@ def test_the_rule_needs_fresh_pages_and_room(libc, monkeypatch):
     assert done.applied and "256 MiB afresh" in done.reason and len(libc.calls) == 2
 
 
-def _step(**kwargs):
+def _step(reuse=None, **kwargs):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return make_train_step(
-        model, opt, lambda out, y: ((out - y) ** 2).mean(), compile_options={"inner": "eager"}, **kwargs
-    )
+    options = {"inner": "eager", "reuse_cpu_memory": reuse}
+    return make_train_step(model, opt, lambda out, y: ((out - y) ** 2).mean(), compile_options=options, **kwargs)
 
 
 def test_train_step_decides_on_the_call_after_the_first_update(libc, monkeypatch):
@@ -142,11 +141,11 @@ def test_train_step_decides_on_the_call_after_the_first_update(libc, monkeypatch
 def test_train_step_true_applies_now_and_false_never(libc, monkeypatch):
     monkeypatch.setattr(cpu_memory, "FRESH_PER_STEP", 0)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
-    on = _step(reuse_cpu_memory=True)
+    on = _step(True)
     assert on.memory_reuse.applied and len(libc.calls) == 2
     monkeypatch.setattr(cpu_memory, "_applied", None)
     libc.calls.clear()
-    off = _step(reuse_cpu_memory=False)
+    off = _step(False)
     for _ in range(3):
         off(x, y)
     assert off.memory_reuse == MemoryReuse(False, "reuse_cpu_memory=False") and libc.calls == []
@@ -214,7 +213,7 @@ def test_lightning_plugins_decide_after_the_first_update(libc, monkeypatch):
     assert plugin.memory_reuse.applied and len(libc.calls) == 2  # the second step measured, decided at the third
     monkeypatch.setattr(cpu_memory, "_applied", None)
     libc.calls.clear()
-    fabric_plugin = AmpFabricPrecision("bf16", inner="eager", reuse_cpu_memory=False)
+    fabric_plugin = AmpFabricPrecision("bf16", inner="eager", reuse_cpu_memory=False)  # an option
     assert fabric_plugin.memory_reuse == MemoryReuse(False, "reuse_cpu_memory=False")
     fabric_plugin = AmpFabricPrecision("bf16", inner="eager")
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[fabric_plugin])
@@ -226,3 +225,43 @@ def test_lightning_plugins_decide_after_the_first_update(libc, monkeypatch):
         opt.zero_grad()
         assert (fabric_plugin.memory_reuse is None) == (i < 2)
     assert fabric_plugin.memory_reuse.applied and len(libc.calls) == 2
+
+
+def test_bare_backend_measures_its_first_training_graph(libc, monkeypatch):
+    """torch.compile(backend="amp") owns no step: its first CPU training graph runs once a
+    step; the stretch from its third call to its fourth is measured. An inference graph, and
+    a backend a training loop owns, measure nothing."""
+    from amp_compiler import AmpBackend
+
+    monkeypatch.setattr(cpu_memory, "FRESH_PER_STEP", 0)
+    monkeypatch.setattr(cpu_memory, "room_bytes", lambda: None)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    backend = AmpBackend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(x)
+    assert backend.memory_reuse is None and libc.calls == []  # inference: not a step
+    decided = []
+    for _ in range(4):
+        compiled(x).sum().backward()
+        decided.append(backend.memory_reuse)
+    assert decided[:3] == [None, None, None] and decided[3].applied and len(libc.calls) == 2
+    owned = AmpBackend(inner="eager")
+    owned.owned = True
+    compiled = torch.compile(nn.Linear(8, 1), backend=owned)
+    for _ in range(5):
+        compiled(x).sum().backward()
+    assert owned.memory_reuse is None
+
+
+def test_option_is_checked_and_true_applies_at_the_first_compile(libc):
+    from amp_compiler import AmpBackend, AmpOptionsError
+
+    with pytest.raises(AmpOptionsError, match="reuse_cpu_memory must be True, False or None"):
+        AmpBackend(reuse_cpu_memory="yes")
+    backend = AmpBackend(inner="eager", reuse_cpu_memory=True)
+    with torch.no_grad():
+        torch.compile(nn.Linear(8, 1), backend=backend)(torch.randn(2, 8))
+    assert backend.memory_reuse.applied and len(libc.calls) == 2

@@ -18,7 +18,7 @@ import torch
 from fixtures.probe import Probe
 from helpers import OpRecorder, cli_here, recording_backend
 
-from amp_compiler import AmpBackend, AmpOptions, make_train_step
+from amp_compiler import AmpBackend, AmpOptions, cpu_memory, make_train_step
 
 aten = torch.ops.aten
 SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu
@@ -66,6 +66,30 @@ def _policy_file(tmp_path) -> str:
     return str(path)
 
 
+class _Mallopt:
+    """Stands in for glibc's ``mallopt``: records what amp asked (the real one is process-wide)."""
+
+    def __init__(self, state):
+        self.calls = state["mallopt"] = []
+
+    def mallopt(self, option, value):
+        self.calls.append((option, value.value))
+        return 1
+
+
+def _fake_glibc(state) -> bool:
+    fake = _Mallopt(state)
+    cpu_memory._libc, cpu_memory._applied = (lambda: (fake, "glibc (recorded)")), None
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _glibc_restored():
+    libc, applied = cpu_memory._libc, cpu_memory._applied
+    yield
+    cpu_memory._libc, cpu_memory._applied = libc, applied
+
+
 def _second_inner(state):
     rec = OpRecorder()
     state["second"] = rec
@@ -110,6 +134,8 @@ ROWS = {
     "loss_head": Row(lambda t, s: "fused", lambda r: r.ran_head() and not r.ran(aten._log_softmax, torch.float32)),
     # the automatic choice weighs the logits against this memory: 1 MiB makes them large
     "memory_bytes": Row(lambda t, s: 1 << 20, lambda r: r.ran_head()),
+    # True: glibc is asked to keep freed memory at the first compile (or when the step is built)
+    "reuse_cpu_memory": Row(lambda t, s: _fake_glibc(s), lambda r: len(r.extra.get("mallopt", ())) == 2),
     "dump_dir": Row(lambda t, s: str(t / "dump"), lambda r: any(r.extra["tmp"].glob("dump/**/*"))),
     "policy_file": Row(
         lambda t, s: _policy_file(t),

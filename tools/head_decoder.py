@@ -63,7 +63,7 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
             with torch.autocast(device, dtype=torch.bfloat16):
                 return _loss(compiled(ids, labels))
     else:
-        backend = AmpBackend(loss_head=kind)
+        backend = AmpBackend(loss_head=kind, reuse_cpu_memory=False)  # --reuse-memory sets it for all
         compiled = backend.compile(model)
 
         def loss():

@@ -67,7 +67,8 @@ def run(args, data, amp: bool) -> float:
         args=sft,
         train_dataset=data,
         processing_class=tokenizer(v),
-        # the run sets the allocator for both (--reuse-memory): it is process-wide
+        # the run sets the allocator for both (--reuse-memory): it is process-wide, so the
+        # callback does not decide it midway through the run
         callbacks=[timer, *([AmpCallback(loss_head=args.loss_head, reuse_cpu_memory=False)] if amp else [])],
     )
     trainer.train()

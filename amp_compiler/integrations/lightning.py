@@ -12,8 +12,8 @@ go to the Python logger and whose scale and skipped-step counts go to the Traine
 The first optimizer step refuses, before anything is updated, a module of which more than
 ``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran outside the
 compiled graphs (as written, in FP32), naming the modules and Dynamo's graph breaks.
-On CPU, freed memory is kept for reuse as ``make_train_step`` keeps it (``reuse_cpu_memory``;
-``plugin.memory_reuse`` says why).
+On CPU, freed memory is kept for reuse as ``make_train_step`` keeps it (the
+``reuse_cpu_memory`` option; ``plugin.memory_reuse`` says why).
 
 Lightning refuses ``precision=`` beside a precision plugin ("Received both precision=... and
 plugins=..."): give the dtype to ``AmpPrecision`` instead.
@@ -57,8 +57,8 @@ class _AmpPlugin:
 
     @property
     def memory_reuse(self) -> MemoryReuse | None:
-        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``); None
-        until the step after the first update has been measured."""
+        """Whether freed CPU memory is kept for reuse, and why (the ``reuse_cpu_memory``
+        option); None until the step after the first update has been measured."""
         return self._reuse.decision
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -92,9 +92,9 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
                  monitor: NonFiniteMonitor | None = None, max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
-                 reuse_cpu_memory: bool | None = None, **options: Any) -> None:  # fmt: skip
+                 **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
-        self._reuse = ReuseRule(reuse_cpu_memory, device == "cpu")
+        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, device == "cpu")
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
         # takes its no-scaler path and then says what it is
@@ -133,10 +133,9 @@ class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
     they are (the plan casts); FP16 scaled by amp's ``LossScaler`` in ``fabric.backward``."""
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
-                 max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, reuse_cpu_memory: bool | None = None,
-                 **options: Any) -> None:  # fmt: skip
+                 max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, **options: Any) -> None:  # fmt: skip
         self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
-        self._reuse = ReuseRule(reuse_cpu_memory, device == "cpu")
+        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, device == "cpu")
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]

@@ -27,7 +27,7 @@ under the plan. ``torch_compile=True`` (a second compile) is refused. Before the
 which more than ``max_uncompiled_share`` (default 5%) of the matmul/conv weight elements ran
 outside the compiled graphs (as written, in FP32) is refused with the modules and Dynamo's
 graph breaks named; nothing is updated. On CPU, freed memory is kept for reuse as
-``make_train_step`` keeps it (``reuse_cpu_memory``; ``callback.memory_reuse`` says why).
+``make_train_step`` keeps it (the ``reuse_cpu_memory`` option; ``callback.memory_reuse``).
 """
 
 from __future__ import annotations
@@ -71,11 +71,9 @@ class AmpCallback(TrainerCallback):
         config=None,
         monitor: NonFiniteMonitor | None = None,
         max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
-        reuse_cpu_memory: bool | None = None,
         **options,
     ):
         self.config = AmpConfig.load(config)
-        self.reuse_cpu_memory = reuse_cpu_memory  # as make_train_step's
         self._reuse: ReuseRule | None = None
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
@@ -132,8 +130,8 @@ class AmpCallback(TrainerCallback):
         if model is None:
             return
         plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
-        self._reuse = ReuseRule(self.reuse_cpu_memory, _device_of(model).type == "cpu")
         self._plan_forward(model)
+        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, _device_of(model).type == "cpu")
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
         log.info("AmpCallback: %s (%s); forwards under the plan: %s", self.dtype, self.reason, ", ".join(self.forwards))
@@ -232,7 +230,7 @@ class AmpCallback(TrainerCallback):
 
     @property
     def memory_reuse(self) -> MemoryReuse | None:
-        """Whether freed CPU memory is kept for reuse, and why (``reuse_cpu_memory``)."""
+        """Whether freed CPU memory is kept for reuse, and why (the ``reuse_cpu_memory`` option)."""
         return None if self._reuse is None else self._reuse.decision
 
     def on_step_begin(self, args, state, control, **kwargs):

@@ -297,8 +297,8 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
 
 def reuse_memory(asked: bool) -> None:
     """``--reuse-memory``: keep freed CPU memory for every variant of the run. The setting is
-    process-wide, so a run compares its variants under one allocator setting: amp's training
-    steps get ``reuse_cpu_memory=False`` and leave it to this."""
+    process-wide, so a run compares its variants under one allocator setting: amp's variants
+    get ``reuse_cpu_memory=False`` (``variants.SAME_ALLOCATOR``) and leave it to this."""
     if asked:
         done = reuse_freed_memory()
         if not done.applied:

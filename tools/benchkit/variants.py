@@ -75,6 +75,11 @@ class Variant:
     result: dict = field(default_factory=dict)
 
 
+# The allocator setting is process-wide: a run sets it for every variant (--reuse-memory),
+# so amp's variants do not decide it for themselves midway through the run.
+SAME_ALLOCATOR = {"reuse_cpu_memory": False}
+
+
 def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     model = copy.deepcopy(base)
     low = name in LOW_VARIANTS
@@ -82,12 +87,12 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     autocast = (lambda: torch.autocast(device, dtype=ac_dtype)) if low else contextlib.nullcontext
     if name.startswith("amp-step"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        options = {"memory_budget": LOWMEM_BUDGET} if name == "amp-step-lowmem" else None
+        options = dict(SAME_ALLOCATOR)
+        if name == "amp-step-lowmem":
+            options["memory_budget"] = LOWMEM_BUDGET
         if name in LOSS_HEAD:
-            options = {"loss_head": LOSS_HEAD[name]}
-        ts = make_train_step(  # the run sets the allocator for every variant (--reuse-memory)
-            model, opt, loss_fn, dtype=dtype, compile_options=options, reuse_cpu_memory=False
-        )
+            options["loss_head"] = LOSS_HEAD[name]
+        ts = make_train_step(model, opt, loss_fn, dtype=dtype, compile_options=options)
 
         def train(x, y, grab=None):
             fused = ts.fused
@@ -108,7 +113,7 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     if name in ("fp32-inductor", "autocast-inductor"):
         fwd = torch.compile(model)
     elif name == "amp":
-        backend = AmpBackend(dtype=dtype)
+        backend = AmpBackend(dtype=dtype, **SAME_ALLOCATOR)
         fwd = torch.compile(model, backend=backend)
     else:
         fwd = model
