@@ -270,3 +270,21 @@ def test_native_check_script_is_valid_and_calls_existing_tools():
         for names in re.findall(r"--workloads ([\w,-]+)", args):
             known = {*bench.WORKLOADS, *bench.HF_WORKLOADS, *bench.HEAD_WORKLOADS}
             assert set(names.split(",")) <= known, names
+        if tool == "tools/bench.py":
+            for names in re.findall(r"--variants ([\w,-]+)", args):
+                assert set(names.split(",")) <= {*bench.VARIANTS, *bench.EXTRA_VARIANTS}, names
+
+
+def test_fused_attention_variant_keeps_the_fused_kernel():
+    """amp-fused-attention (native_check's crossover check) hands Inductor the fused SDPA op
+    where amp's default writes a short one out as matmul -> softmax -> matmul."""
+    size = bench.SIZES["tiny"]
+    model, x, y, loss_fn, _ = bench.build("lm-sdpa", size, "cpu")
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    kept = {}
+    for name in ("amp", "amp-fused-attention"):
+        v = bench.make_variant(name, model, loss_fn, "bf16", "cpu")
+        with torch.no_grad():
+            v.forward(x)
+        kept[name] = sum(n.target is sdpa for r in v.backend.records for n in r.graph.graph.nodes)
+    assert kept["amp-fused-attention"] == size["layers"] and kept["amp"] == 0

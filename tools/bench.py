@@ -7,7 +7,9 @@
 
 Variants (each from the same initial weights, AdamW):
   fp32-eager, fp32-inductor, autocast-eager, autocast-inductor (GradScaler under FP16),
-  amp (torch.compile(backend=AmpBackend)), amp-step (make_train_step: fused update).
+  amp (torch.compile(backend=AmpBackend)), amp-step (make_train_step: fused update); when
+  named: amp-fused-attention (amp with every SDPA fused), amp-step-lowmem/-unfused/-fused/-exact.
+  --reuse-memory keeps freed CPU memory for every variant (process-wide; amp's own choice off).
 Workloads: lm-explicit (decoder, matmul-softmax-matmul attention), lm-sdpa (decoder,
 scaled_dot_product_attention), encoder (nn.TransformerEncoder), encoder-dropout (the same
 at PyTorch's default dropout 0.1), cnn (conv + BatchNorm). Model code nobody here wrote,

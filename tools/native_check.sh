@@ -25,6 +25,9 @@ echo "cpu flags: $flags" | tee "$OUT/steps.txt"
 step bench 1500 "$PY" tools/bench.py --json "$OUT/bench.json"
 step loss-head 900 "$PY" tools/bench.py --workloads lm-head-32k,lm-head-128k --dtype bf16 --json "$OUT/loss-head.json"
 step hf 900 "$PY" tools/bench.py --workloads hf-gpt2,hf-llama,hf-qwen2 --json "$OUT/hf.json"
+# amp's short-attention crossover was measured on AVX512-BF16 only: where it sits here
+step attention 900 "$PY" tools/bench.py --workloads lm-sdpa,hf-llama,hf-gpt2 \
+    --variants autocast-inductor,amp,amp-fused-attention --json "$OUT/attention.json"
 step head-decoder 600 "$PY" tools/head_decoder.py --reps 7 --json "$OUT/head-decoder.json"
 step head-decoder-returns-logits 600 "$PY" tools/head_decoder.py --reps 7 --returns-logits \
     --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-returns-logits.json"

@@ -14,7 +14,9 @@ from amp_compiler import AmpBackend, make_train_step
 VARIANTS = ("fp32-eager", "fp32-inductor", "autocast-eager", "autocast-inductor", "amp", "amp-step")
 # run only when named: make_train_step under an explicit memory budget, which lets the
 # partitioner recast the 16-bit weight copies in backward instead of saving them
-EXTRA_VARIANTS = ("amp-step-lowmem", "amp-step-unfused", "amp-step-fused", "amp-step-exact")
+# amp-fused-attention: the backend with every SDPA kept fused (attention="fused"), beside amp's
+# default, which writes short ones out on CPU by a crossover measured on one CPU kind only
+EXTRA_VARIANTS = ("amp-step-lowmem", "amp-step-unfused", "amp-step-fused", "amp-step-exact", "amp-fused-attention")
 # make_train_step's loss_head option per variant (unfused: the head as written)
 LOSS_HEAD = {"amp-step-unfused": "off", "amp-step-fused": "fused", "amp-step-exact": "exact"}
 LOWMEM_BUDGET = 0.8
@@ -112,8 +114,9 @@ def make_variant(name, base, loss_fn, dtype, device) -> Variant:
     backend = None
     if name in ("fp32-inductor", "autocast-inductor"):
         fwd = torch.compile(model)
-    elif name == "amp":
-        backend = AmpBackend(dtype=dtype, **SAME_ALLOCATOR)
+    elif name in ("amp", "amp-fused-attention"):
+        attention = {"attention": "fused"} if name == "amp-fused-attention" else {}
+        backend = AmpBackend(dtype=dtype, **attention, **SAME_ALLOCATOR)
         fwd = torch.compile(model, backend=backend)
     else:
         fwd = model
