@@ -4,6 +4,7 @@ recognises (and the ones it leaves), what executed and what was saved for backwa
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -97,6 +98,27 @@ def test_block_math_runs_as_generated_kernels_and_wide_logits_stay_exact(small_b
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_gradient_writes_no_denormals_at_init_time_logits():
+    """A probability e^-87 times the loss's weight is an FP32 denormal (1.75x slower kernel
+    arithmetic); terms below e^P_FLOOR count as 0, so the gradient holds none, and it stays
+    what FP64 gives to far under FP32's resolution."""
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(64, 512, generator=g) * 16).bfloat16()  # a tied head at init: std ~16
+    lse = torch.logsumexp(z.float(), 1)
+    weight = torch.full((64,), 1 / 4096)  # the mean over 4096 tokens
+    at = torch.randint(-1, 512, (64,), generator=g)
+    zeros = torch.zeros(64)
+    dz, _ = loss_head._grad_block(z, lse, weight, zeros, -weight, at, (), torch.float32, False)
+    exact = torch.softmax(z.double(), 1) * weight.double()[:, None]
+    exact[at >= 0, at[at >= 0]] -= weight.double()[at >= 0]
+    tiny = torch.finfo(torch.float32).tiny
+    assert ((exact != 0) & (exact.abs() < tiny)).any()  # the case is here: FP32 would go denormal
+    assert not ((dz != 0) & (dz.abs() < tiny)).any()
+    dropped = exact[(dz == 0) & (exact != 0)]
+    assert dropped.numel() and dropped.abs().max() <= math.exp(loss_head.P_FLOOR) / 4096
+    assert (dz.double() - exact).abs().max() < 1e-5 * exact.abs().max()  # FP32's own rounding
 
 
 def test_block_math_runs_as_written_where_inductor_cannot_compile(small_blocks, monkeypatch, caplog):

@@ -21,12 +21,12 @@ def eager_forward(z, top, sum_exp, at):
     z = z.float()
     new_top = torch.maximum(top, z.amax(1))
     picked = z.gather(1, at.clamp(0)[:, None]).squeeze(1)
-    sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).clamp_min_(L.EXP_FLOOR).exp_().sum(1))
+    sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).clamp_min_(L.P_FLOOR).exp_().sum(1))
     return new_top, sum_exp, picked
 
 
 def eager_backward(z, lse, g, at):
-    dz = z.float().sub_(lse[:, None]).clamp_min_(L.EXP_FLOOR).exp_().mul_(g[:, None])
+    dz = z.float().sub_(lse[:, None]).clamp_min_(L.P_FLOOR).exp_().mul_(g[:, None])
     dz.scatter_add_(1, at.clamp(0)[:, None], g[:, None])
     return dz.to(z.dtype)
 
