@@ -10,8 +10,8 @@ thresholds (``mallopt``) so freed blocks stay in the process and are reused: no 
 The price is memory: the process keeps its peak, and the heap can fragment beyond it
 (that decoder's peak RSS 1213 -> 1606 MiB when it returns its logits; unchanged when it
 does not). The training loops (``make_train_step``, ``AmpCallback``, the Lightning plugins)
-apply it where a step maps fresh memory and the machine has room (``reuse_cpu_memory``,
-``ReuseRule``). A user's own tuning (glibc's ``MALLOC_*`` variables or tunables, a
+and the bare backend apply it where a step maps fresh memory and the machine has room
+(the ``reuse_cpu_memory`` option, ``ReuseRule``). A user's own tuning (glibc's ``MALLOC_*`` variables or tunables, a
 preloaded jemalloc/tcmalloc/mimalloc) is left alone.
 """
 
@@ -22,6 +22,8 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+
+from .device import cgroup_limit
 
 try:
     import resource
@@ -101,8 +103,8 @@ FRESH_PER_STEP = 64 * 2**20
 
 
 def reuse_if_remapping(mapped: int) -> MemoryReuse:
-    """``make_train_step``'s default: reuse freed memory where a step (after the first, which
-    compiles) mapped ``mapped`` bytes afresh, at least ``FRESH_PER_STEP``, and the machine
+    """``reuse_cpu_memory``'s default: reuse freed memory where a step (after the first update)
+    mapped ``mapped`` bytes afresh, at least ``FRESH_PER_STEP``, and the machine
     has room for the process to double its peak (fragmentation grew it by a third here)."""
     mib = mapped / 2**20
     if mapped < FRESH_PER_STEP:
@@ -122,11 +124,12 @@ def reuse_if_remapping(mapped: int) -> MemoryReuse:
 
 
 class ReuseRule:
-    """``reuse_cpu_memory`` of the training loops (make_train_step, AmpCallback, the Lightning
-    plugins): None measures one step and decides by ``reuse_if_remapping``, True applies now,
-    False never. ``tick()`` at the same point of every step; the stretch from tick ``at`` (the
-    step after the first update: the first compiles and allocates the optimizer's state) to
-    the next is the step measured. ``decision`` says what was decided, None before."""
+    """``reuse_cpu_memory`` where a step can be seen (make_train_step, AmpCallback, the Lightning
+    plugins, the bare backend's first training graph): None measures one step and decides by
+    ``reuse_if_remapping``, True applies now, False never. ``tick()`` at the same point of
+    every step; the stretch from tick ``at`` (the step after the first update: the first
+    compiles and allocates the optimizer's state) to the next is the step measured.
+    ``decision`` says what was decided, None before."""
 
     def __init__(self, asked: bool | None, on_cpu: bool, at: int = 1):
         self.decision: MemoryReuse | None = None
@@ -169,11 +172,12 @@ def room_bytes() -> int | None:
             found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
+    limit = cgroup_limit()
     try:
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit, used = f.read().strip(), g.read().strip()
-        if limit.isdigit() and used.isdigit():
-            found.append(int(limit) - int(used))
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = f.read().strip()
+        if limit is not None and used.isdigit():
+            found.append(limit - int(used))
     except OSError:
         pass
     return min(found) if found else None

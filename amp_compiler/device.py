@@ -168,6 +168,30 @@ def device_of(example_inputs) -> torch.device:
     return torch.device("cpu")
 
 
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` runs: its first parameter's device, CPU without parameters."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+# the container's memory limit: cgroup v2, then v1
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def cgroup_limit() -> int | None:
+    """The smallest memory limit a cgroup file states for this process, None where none does
+    (no container, or "max")."""
+    limits = []
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            limits.append(int(limit))
+    return min(limits) if limits else None
+
+
 def memory_bytes(device: torch.device) -> int:
     """The memory a job on ``device`` can hold: a GPU's total memory; on CPU the machine's RAM,
     or the container's limit (cgroup) where that is smaller. Totals, not what is free now:
@@ -175,12 +199,5 @@ def memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit():
-            ram = min(ram, int(limit))
-    return int(ram)
+    limit = cgroup_limit()
+    return int(ram if limit is None else min(ram, limit))

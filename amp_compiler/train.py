@@ -39,7 +39,7 @@ from .backend import AmpBackend
 from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE, check_share
 from .cpu_memory import MemoryReuse, ReuseRule
-from .device import resolve_dtype
+from .device import module_device, resolve_dtype
 from .distributed import agree_on_dtype, agree_on_memory, any_rank, check_same_plan, install_comm_hook
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
@@ -114,7 +114,7 @@ class TrainStep:
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = torch.ones((), device=self._params[0].device) if self._params else None
-        self._reuse = ReuseRule(backend.options.reuse_cpu_memory, _on_cpu(model), at=grad_accum)
+        self._reuse = ReuseRule(backend.options.reuse_cpu_memory, module_device(model).type == "cpu", at=grad_accum)
 
     @property
     def memory_reuse(self) -> MemoryReuse | None:
@@ -323,7 +323,7 @@ def make_train_step(
     grad_accum = merge(grad_accum, cfg.grad_accum, "grad_accum", 1)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = module_device(model)
     if "dtype" in (compile_options or {}):
         raise ValueError("pass dtype to make_train_step itself, not in compile_options")
     options = {**cfg.options, **(compile_options or {})}
@@ -364,10 +364,6 @@ def make_train_step(
     )
     step.comm = comm
     return step
-
-
-def _on_cpu(model: torch.nn.Module) -> bool:
-    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def _arguments(inputs) -> tuple[tuple, dict]:

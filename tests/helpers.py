@@ -71,6 +71,18 @@ class RecordingBackend:
         return aot_autograd(fw_compiler=self._recorded, bw_compiler=self._recorded, **partition)(gm, example_inputs)
 
 
+class FakeGlibc:
+    """Stands in for glibc's ``mallopt`` (``cpu_memory._libc``): records what amp asked and
+    answers ``answer``; the real setting is process-wide and would stay with the test worker."""
+
+    def __init__(self, answer: int = 1):
+        self.answer, self.calls = answer, []
+
+    def mallopt(self, option, value):
+        self.calls.append((option, value.value))
+        return self.answer
+
+
 def recording_backend(recorder: OpRecorder, graphs: list | None = None, partition_fn=None) -> RecordingBackend:
     return RecordingBackend(recorder, graphs, partition_fn)
 

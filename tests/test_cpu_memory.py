@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+from helpers import FakeGlibc
 
 from amp_compiler import cpu_memory, make_train_step
 from amp_compiler.cpu_memory import MemoryReuse, reuse_freed_memory, reuse_if_remapping
@@ -53,18 +54,9 @@ def test_freed_blocks_are_reused_instead_of_mapped_afresh(monkeypatch):
     assert all(mib < 16 for mib in reused[-5:]), reused
 
 
-class FakeLibc:
-    def __init__(self, answer: int = 1):
-        self.answer, self.calls = answer, []
-
-    def mallopt(self, option, value):
-        self.calls.append((option, value.value))
-        return self.answer
-
-
 @pytest.fixture
 def libc(monkeypatch):
-    fake = FakeLibc()
+    fake = FakeGlibc()
     monkeypatch.setattr(cpu_memory, "_libc", lambda: (fake, "glibc 2.x"))
     monkeypatch.setattr(cpu_memory, "_applied", None)
     for name in cpu_memory._USER_ENV + ("GLIBC_TUNABLES", "LD_PRELOAD"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.probe import Probe
-from helpers import OpRecorder, cli_here, recording_backend
+from helpers import FakeGlibc, OpRecorder, cli_here, recording_backend
 
 from amp_compiler import AmpBackend, AmpOptions, cpu_memory, make_train_step
 
@@ -66,19 +66,9 @@ def _policy_file(tmp_path) -> str:
     return str(path)
 
 
-class _Mallopt:
-    """Stands in for glibc's ``mallopt``: records what amp asked (the real one is process-wide)."""
-
-    def __init__(self, state):
-        self.calls = state["mallopt"] = []
-
-    def mallopt(self, option, value):
-        self.calls.append((option, value.value))
-        return 1
-
-
 def _fake_glibc(state) -> bool:
-    fake = _Mallopt(state)
+    fake = FakeGlibc()
+    state["mallopt"] = fake.calls
     cpu_memory._libc, cpu_memory._applied = (lambda: (fake, "glibc (recorded)")), None
     return True
 

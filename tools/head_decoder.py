@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from benchkit.measure import machine, reuse_memory, saved_bytes
+from benchkit.variants import SAME_ALLOCATOR
 
 from amp_compiler import AmpBackend
 from amp_compiler.atomic import write_text
@@ -63,7 +64,7 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
             with torch.autocast(device, dtype=torch.bfloat16):
                 return _loss(compiled(ids, labels))
     else:
-        backend = AmpBackend(loss_head=kind, reuse_cpu_memory=False)  # --reuse-memory sets it for all
+        backend = AmpBackend(loss_head=kind, **SAME_ALLOCATOR)
         compiled = backend.compile(model)
 
         def loss():

@@ -34,6 +34,7 @@ def tokenizer(vocab: int):
 def run(args, data, amp: bool) -> float:
     """One SFT job; the median step time (ms) after the warm-up steps."""
     import torch
+    from benchkit.variants import SAME_ALLOCATOR
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -67,9 +68,7 @@ def run(args, data, amp: bool) -> float:
         args=sft,
         train_dataset=data,
         processing_class=tokenizer(v),
-        # the run sets the allocator for both (--reuse-memory): it is process-wide, so the
-        # callback does not decide it midway through the run
-        callbacks=[timer, *([AmpCallback(loss_head=args.loss_head, reuse_cpu_memory=False)] if amp else [])],
+        callbacks=[timer, *([AmpCallback(loss_head=args.loss_head, **SAME_ALLOCATOR)] if amp else [])],
     )
     trainer.train()
     return statistics.median(timer.times[args.warmup :]) * 1e3

@@ -42,7 +42,7 @@ from ..backend import AmpBackend
 from ..config import AmpConfig, merge
 from ..coverage import MAX_UNCOMPILED_SHARE, check_share
 from ..cpu_memory import MemoryReuse, ReuseRule
-from ..device import resolve_dtype
+from ..device import module_device, resolve_dtype
 from ..distributed import agree_on_memory
 from ..monitor import NonFiniteMonitor
 from ..options import AmpOptions
@@ -131,7 +131,7 @@ class AmpCallback(TrainerCallback):
             return
         plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
         self._plan_forward(model)
-        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, _device_of(model).type == "cpu")
+        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, module_device(model).type == "cpu")
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
         log.info("AmpCallback: %s (%s); forwards under the plan: %s", self.dtype, self.reason, ", ".join(self.forwards))
@@ -146,7 +146,7 @@ class AmpCallback(TrainerCallback):
         without_autocast_wrapper(module)
         forward = self.backend.compile(module.forward)
         if name == "model" and self.dtype == "fp16":
-            device = _device_of(module)
+            device = module_device(module)
             self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
             self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
             self._install_scaling(module)
@@ -165,7 +165,7 @@ class AmpCallback(TrainerCallback):
 
     def _resolve(self, model: torch.nn.Module) -> None:
         """The dtype for ``model``'s device, and the backend that plans every forward."""
-        device = _device_of(model)
+        device = module_device(model)
         low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
         if low:
             raise ValueError(
@@ -285,10 +285,6 @@ class AmpCallback(TrainerCallback):
             return out
 
         return run
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _hold_once(scheduler) -> None:
