@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from .fused_layers import DECOMPOSITIONS as FUSED_LAYERS
 from .hops import HopKind, outline_vmap_regions, treatment
+from .meta import REQUIRES_GRAD
 
 
 def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
@@ -180,6 +181,14 @@ def _record(target, args, kwargs, bodies):
     return track_tensor_tree(example_out, out_proxy, constant=None, tracer=tracer)
 
 
+def _mark_grad_inputs(traced: torch.fx.GraphModule, inputs: Sequence[object]) -> None:
+    """Mark each input the backward will want a gradient for (a parameter, under grad mode):
+    the fake values make_fx leaves on the placeholders say ``requires_grad=False`` for all."""
+    grad = torch.is_grad_enabled()
+    for node, x in zip(traced.graph.find_nodes(op="placeholder"), inputs):
+        node.meta[REQUIRES_GRAD] = grad and isinstance(x, torch.Tensor) and x.requires_grad
+
+
 def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
     """make_fx names inputs arg0_1...; keep Dynamo's (l_self_modules_fc_parameters_weight_)
     so plans say which parameter a cast reads."""
@@ -242,6 +251,7 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple
     # Tracing leaves dead nodes behind (size checks, constants built under vmap
     # that cannot run outside it); nothing reads them.
     aten_gm.graph.eliminate_dead_code()
+    _mark_grad_inputs(aten_gm, [*example_inputs, *held.values()])
     _keep_names(gm, aten_gm)
     _keep_dynamo_inputs(gm, aten_gm)
     return aten_gm, fake_mode, inputs

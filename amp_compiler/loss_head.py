@@ -345,10 +345,32 @@ def head_stats(
     exact: bool,
     with_sum: bool,
     extras: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ahead: bool = False,
+    smoothing: float = 0.0,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
     """Per row of ``h`` [N, d]: (target logit, log-sum-exp, sum of logits, entropy, log of the
     sum of squared probabilities, whether the target is the first argmax); the last three
-    where ``extras`` names them (empty otherwise). FP32 but the last (bool)."""
+    where ``extras`` names them (empty otherwise). FP32 but the last (bool).
+
+    ``ahead``: also the gradients for h, w and b (FP32) of the cross-entropy
+    ``sum_i valid_i (lse_i - (1 - smoothing) picked_i - smoothing / V total_i)``, computed
+    while each block's logits are at hand (``ahead_grads``); backward only scales them where
+    the loss's gradient is that one's times a number, as a mean or sum of the loss makes it.
+    Empty otherwise."""
+    if ahead:
+        if extras:
+            raise ValueError("amp::head_stats: ahead=True computes the cross-entropy's gradient; extras have none")
+        return ahead_grads(h, w, b, target, chain, ignore_index, exact, smoothing)
     steps, want = parse_chain(chain), parse_extras(extras)
     n, vocab = h.shape[0], w.shape[0]
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
@@ -361,9 +383,10 @@ def head_stats(
             z = _project(h[rows], w[cols], None if b is None else b[cols], exact, _in(buffer, rows, cols))
             stats = fold(z, stats, _in_block(safe[rows], cols), steps, with_sum, want)
         out.append(_finish(stats, want))
+    empty = h.new_empty(0, dtype=torch.float32)
     if len(out) == 1:
-        return out[0]
-    return tuple(torch.cat(parts) for parts in zip(*out))
+        return (*out[0], empty, empty.clone(), empty.clone())
+    return (*(torch.cat(parts) for parts in zip(*out)), empty, empty.clone(), empty.clone())
 
 
 def _fake_stats(n: int, like: torch.Tensor, extras: str):
@@ -373,8 +396,12 @@ def _fake_stats(n: int, like: torch.Tensor, extras: str):
 
 
 @head_stats.register_fake
-def _(h, w, b, target, chain, ignore_index, exact, with_sum, extras=""):
-    return _fake_stats(h.shape[0], h, extras)
+def _(h, w, b, target, chain, ignore_index, exact, with_sum, extras="", ahead=False, smoothing=0.0):
+    stats = _fake_stats(h.shape[0], h, extras)
+    if not ahead:
+        return (*stats, *(h.new_empty(0, dtype=torch.float32) for _ in range(3)))
+    db = b.new_empty(b.shape, dtype=torch.float32) if b is not None else h.new_empty(0, dtype=torch.float32)
+    return (*stats, h.new_empty(h.shape, dtype=torch.float32), w.new_empty(w.shape, dtype=torch.float32), db)
 
 
 @torch.library.custom_op("amp::head_stats_backward", mutates_args=())
@@ -417,16 +444,170 @@ def head_stats_backward(
             dl = _in(dl_buffer, rows, cols)
             db_cols = grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, b is not None, *ent)
             del z
-            if b is not None:
-                db[cols] += db_cols
-            if exact:
-                dh_rows.add_(exact_mm(dl, wc))
-                dw[cols] += exact_mm(dl.t(), hc)
-            else:
-                dh_rows.add_(dl @ wc)
-                dw[cols] += dl.t() @ hc  # this block's rows of the gradient, over these tokens
+            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, db_cols, exact)
         dh[rows] = dh_rows
     return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
+
+
+def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, db_cols, exact, first=False) -> None:
+    """Add one block's share of the gradients: ``dl`` (dLoss/dlogits of rows ``hc`` x
+    vocabulary entries ``cols``) times the weight's rows ``wc`` into ``dh_rows``, times ``hc``
+    into the weight's gradient rows ``cols`` (written, not added, where ``first``), and its
+    column sums into the bias's."""
+    if db_cols is not None:
+        db[cols] += db_cols
+    mm = exact_mm if exact else torch.mm
+    dh_rows.add_(mm(dl, wc))
+    if first:
+        dw[cols] = mm(dl.t(), hc)
+    else:
+        dw[cols] += mm(dl.t(), hc)  # this block's rows of the gradient, over these tokens
+
+
+# The one-pass head (``ahead``) holds a row block's logits over the whole vocabulary, since
+# no gradient is known before the row's log-sum-exp: at most this many bytes of them (at
+# least AHEAD_MIN_ROWS rows), 16x on a GPU
+AHEAD_BYTES = 128 << 20
+AHEAD_MIN_ROWS = 256
+# Logits per block of the one-pass head: fewer, larger blocks than the recomputing head's, as
+# it holds them anyway (a 50k-vocabulary decoder's step on a 2-core CPU: 64 MiB rows, 4M
+# blocks 1.02x the head as written; 128 MiB rows, 8M blocks 0.99x)
+AHEAD_BLOCK_ELEMENTS = 1 << 23
+# How far the loss's gradient may stray from a multiple of the one computed ahead (FP32
+# rounding of the loss's own ops) and still be that multiple
+AHEAD_RTOL = 1e-5
+
+
+def ahead_shape(tokens: int, vocab: int, itemsize: int, device: str = "cpu") -> tuple[int, int]:
+    """(tokens, vocabulary entries) of the one-pass head's blocks: a row block's logits for
+    the whole vocabulary fit ``AHEAD_BYTES``, cut into blocks of ``AHEAD_BLOCK_ELEMENTS``."""
+    gpu = device != "cpu"
+    budget = AHEAD_BYTES * (GPU_SCALE if gpu else 1)
+    rows = max(AHEAD_MIN_ROWS, budget // max(1, vocab * itemsize))
+    rows = max(1, min(rows, int(tokens), MAX_ROWS * (4 if gpu else 1)))
+    rows = -(-int(tokens) // -(-int(tokens) // rows))  # as many rows in each block
+    cols = max(MIN_COLS, AHEAD_BLOCK_ELEMENTS * (GPU_SCALE if gpu else 1) // rows)
+    return rows, min(cols, int(vocab))
+
+
+def ahead_bytes(tokens: int, vocab: int, width: int) -> int:
+    """What the one-pass head keeps for backward: FP32 gradients for h and the weight."""
+    return 4 * width * (tokens + vocab)
+
+
+def _ahead_row_grads(valid: torch.Tensor, smoothing: float, vocab: int):
+    """dLoss/d(log-sum-exp, target logit, sum) per row for ``sum_i valid_i loss_i``."""
+    v = valid.float()
+    return v, v * -(1.0 - smoothing), v * (-smoothing / vocab)
+
+
+def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smoothing: float):
+    """``head_stats(ahead=True)``: each row block's logits projected once and held (over
+    the whole vocabulary, ``ahead_shape``) until its log-sum-exp is known, then turned into
+    dLoss/dlogits block by block and multiplied out into the gradients, as ``head_stats_backward``
+    does from recomputed logits: three GEMMs per block instead of four."""
+    steps, want = parse_chain(chain), (False, False, False)
+    n, vocab = h.shape[0], w.shape[0]
+    valid = _check_targets(target, vocab, ignore_index)
+    safe = torch.where(valid, target, 0)
+    g_lse, g_picked, g_total = _ahead_row_grads(valid, smoothing, vocab)
+    grad_dtype = torch.float32 if exact else h.dtype
+    wc_all = w.to(grad_dtype)  # one copy a call, not one a block
+    hs = h.float() if exact else h
+    allocates = (exact and _split_native(h.device)) or (not exact and _writes_fp32(h.device, h.dtype))
+    itemsize = 4 if exact or allocates else h.element_size()
+    rows, cols = ahead_shape(n, vocab, itemsize, h.device.type)
+    z_buffer = None if allocates else torch.empty(rows * vocab, dtype=grad_dtype, device=h.device)
+    dl_buffer = torch.empty(rows * cols, dtype=grad_dtype, device=h.device)
+    dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # the first row block writes it
+    db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
+    fold, grad = _kernel(_stats_block), _kernel(_grad_block_into)
+    out = []
+    for r in range(0, n, rows):
+        rs = slice(r, min(r + rows, n))
+        k, hc = rs.stop - rs.start, hs[rs]
+        stats, held, offset = _start(k, h), [], 0
+        for c in range(0, vocab, cols):
+            cs = slice(c, min(c + cols, vocab))
+            size = k * (cs.stop - cs.start)
+            place = None if z_buffer is None else z_buffer[offset : offset + size].view(k, -1)
+            offset += size
+            z = _project(hc, wc_all[cs], None if b is None else b[cs], exact, place)
+            at = _in_block(safe[rs], cs)
+            stats = fold(z, stats, at, steps, bool(smoothing), want)
+            held.append((cs, z, at))
+        part = _finish(stats, want)
+        out.append(part)
+        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
+        for cs, z, at in held:
+            dl = dl_buffer[: z.numel()].view(z.shape)
+            db_cols = grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps, b is not None)
+            _add_block_grads(dl, hc, wc_all[cs], cs, dh_rows, dw, db, db_cols, exact, first=r == 0)
+        held.clear()
+        dh[rs] = dh_rows
+    stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
+    return (*stats, dh, dw, db)
+
+
+def _ahead_scale(g_picked, g_lse, g_total, target, ignore_index: int, smoothing: float, vocab: int) -> float | None:
+    """The number that turns the gradients computed ahead into the loss's, None where the
+    loss's gradient is not theirs times one number (per-token weights, an entropy term)."""
+    valid = target != ignore_index
+    g_lse_ahead, g_picked_ahead, g_total_ahead = _ahead_row_grads(valid, smoothing, vocab)
+    count = g_lse_ahead.sum()
+    scale = (g_lse * g_lse_ahead).sum() / count.clamp_min(1)
+    strays = [(g - scale * ahead).abs().max() for g, ahead in ((g_lse, g_lse_ahead), (g_picked, g_picked_ahead))]
+    strays.append((g_total - scale * g_total_ahead).abs().max())
+    scale, *strays = torch.stack([scale, *strays]).tolist()
+    tolerance = AHEAD_RTOL * abs(scale)
+    return scale if all(stray <= tolerance for stray in strays) else None  # NaN strays: recomputed
+
+
+@functools.cache
+def _warn_recomputed() -> None:
+    _log.warning(
+        "amp::head_stats: a loss's gradient reached the fused loss head in a form other than the "
+        "cross-entropy's it computed in forward (a per-token weight or another term on its "
+        "statistics?); its gradient was recomputed, which costs the head's forward again. "
+        "loss_head='off' keeps such a head as written"
+    )
+
+
+@torch.library.custom_op("amp::head_stats_backward_ahead", mutates_args=())
+def head_stats_backward_ahead(
+    g_picked: torch.Tensor,
+    g_lse: torch.Tensor,
+    g_total: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    dh: torch.Tensor,
+    dw: torch.Tensor,
+    db: torch.Tensor,
+    chain: str,
+    ignore_index: int,
+    exact: bool,
+    smoothing: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for h, w and b: those ``head_stats(ahead=True)`` computed, times the loss's
+    scale (its mean's 1/tokens, a sum's 1); recomputed per block (``head_stats_backward``,
+    warned once) where the loss's gradient is not a multiple of theirs."""
+    scale = _ahead_scale(g_picked, g_lse, g_total, target, ignore_index, smoothing, w.shape[0])
+    if scale is None:
+        _warn_recomputed()
+        none = lse.new_empty(0)  # no entropy gradient
+        args = (h, w, b, target, lse, none, chain, ignore_index, exact)
+        return head_stats_backward(g_picked, g_lse, g_total, none, *args)
+    db = (db * scale).to(b.dtype) if b is not None else h.new_empty(0)
+    return (dh * scale).to(h.dtype), (dw * scale).to(w.dtype), db
+
+
+@head_stats_backward_ahead.register_fake
+def _(g_picked, g_lse, g_total, h, w, b, target, lse, dh, dw, db, chain, ignore_index, exact, smoothing):
+    return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
 
 
 @head_stats_backward.register_fake
@@ -451,20 +632,31 @@ def _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy):
 
 
 def _setup_context(ctx, inputs, output):
-    h, w, b, target, chain, ignore_index, exact, _, _ = inputs
-    ctx.save_for_backward(h, w, b, target, output[1], output[3])
-    ctx.args = (chain, ignore_index, exact)
-    ctx.has_bias = b is not None
-    ctx.mark_non_differentiable(output[4], output[5])
+    h, w, b, target, chain, ignore_index, exact, _, _, ahead, smoothing = inputs
+    ctx.ahead, ctx.has_bias = ahead, b is not None
+    if ahead:  # the gradients computed in forward, and what recomputing them would need
+        ctx.save_for_backward(h, w, b, target, output[1], *output[6:])
+        ctx.args = (chain, ignore_index, exact, smoothing)
+    else:
+        ctx.save_for_backward(h, w, b, target, output[1], output[3])
+        ctx.args = (chain, ignore_index, exact)
+    ctx.mark_non_differentiable(*output[4:])
 
 
 def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
-    h, w, b, target, lse, entropy = ctx.saved_tensors
-    *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
-    dh, dw, db = torch.ops.amp.head_stats_backward(
-        *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args
-    )
-    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None
+    if ctx.ahead:
+        h, w, b, target, lse, dh, dw, db = ctx.saved_tensors
+        grads = _row_grads(lse, lse.new_empty(0), g_picked, g_lse, g_total, None)[:3]
+        dh, dw, db = torch.ops.amp.head_stats_backward_ahead(
+            *grads, h, w, b if ctx.has_bias else None, target, lse, dh, dw, db, *ctx.args
+        )
+    else:
+        h, w, b, target, lse, entropy = ctx.saved_tensors
+        *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
+        dh, dw, db = torch.ops.amp.head_stats_backward(
+            *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args
+        )
+    return dh, dw, db if ctx.has_bias else None, *(None,) * 8
 
 
 head_stats.register_autograd(_backward, setup_context=_setup_context)

@@ -9,6 +9,8 @@ import torch
 from .policy import Precision
 
 META_KEY = "amp"
+# node.meta key on a graph input: whether backward will want a gradient for it (capture.to_aten)
+REQUIRES_GRAD = "amp_requires_grad"
 
 
 @dataclass

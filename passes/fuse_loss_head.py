@@ -26,11 +26,20 @@ import operator
 import torch
 
 from amp_compiler.device import memory_bytes
-from amp_compiler.loss_head import MIN_VOCAB, NO_IGNORE, block_shape, format_chain, parse_chain
+from amp_compiler.loss_head import (
+    MAX_ROWS,
+    MIN_VOCAB,
+    NO_IGNORE,
+    ahead_bytes,
+    ahead_shape,
+    block_shape,
+    format_chain,
+    parse_chain,
+)
 from amp_compiler.meta import NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
 
-from .graph_util import refresh_vals
+from .graph_util import needs_grad, refresh_vals
 from .infra import PassContext, PassResult
 
 aten = torch.ops.aten
@@ -118,6 +127,7 @@ class _Fusion:
         self.created: list[torch.fx.Node] = []
         self.choice = ""  # loss_head="auto": why fused
         self.from_logits = False  # the statistics read from logits the graph keeps anyway
+        self.ahead = ""  # the gradients' bytes where the head computes them in forward
 
     # -- recognise ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -139,6 +149,8 @@ class _Fusion:
         self.from_logits = bool(kept) and not exact
         if self.from_logits and self.kind == "log_prob_stats":
             raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
+        low, tokens = _val(head).dtype, self._tokens()
+        self.ahead = "" if self.from_logits else self._ahead(h, w, low, exact, tokens, vocab, width)
         if self.ctx.options.loss_head == "auto":
             self.choice = self._choose_kept(kept) if self.from_logits else self._choose(head, vocab)
         if exact:
@@ -161,6 +173,13 @@ class _Fusion:
         """``loss_head="auto"``: fuse where the logits kept for backward would take a large share
         of the memory, else keep the faster head as written (raises _NotFused with the figures)."""
         tokens = self._tokens()
+        if self.ahead:
+            logits = _saved(tokens, vocab, _val(head).dtype, self.ctx)
+            return (
+                "auto: fused, in one pass: computing its gradients in forward costs no more time than the head "
+                "as written (0.99-1.02x the step of a 50k-vocabulary decoder on a 2-core CPU) and keeps "
+                f"{self.ahead} of gradients for backward in place of {logits} of logits"
+            )
         if tokens is None:
             return "auto: fused, the number of tokens is dynamic (the logits' size has no bound here)"
         kept = _saved_bytes(tokens, vocab, _val(head).dtype, self.ctx)
@@ -340,12 +359,23 @@ class _Fusion:
                     if exact
                     else f"projection in {dtype_name(low)} (FP32 accumulation)"
                 )
+                args = [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras]
+                if ahead := self.ahead:
+                    args += [True, float(smoothing)]
+                    itemsize = 4 if exact else low.itemsize
+                    rows, cols = ahead_shape(tokens or MAX_ROWS, vocab, itemsize, _val(h).device.type)
+                    grads = (
+                        f"blocks of up to {rows} tokens x {cols} vocabulary entries, its gradients computed in forward "
+                        "while each block's logits are at hand (no projection again in backward, which scales "
+                        f"them by the loss's mean or sum; {ahead} of FP32 gradients kept)"
+                    )
+                else:
+                    grads = f"{blocks}, recomputed per block in backward, the weight's gradient FP32"
                 stats = self._emit(
                     torch.ops.amp.head_stats.default,
-                    [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras],
+                    args,
                     f"fused loss head ({self.kind}, vocabulary {vocab}): {how}, log-sum-exp and target in FP32, "
-                    f"{blocks}, recomputed per block in backward, the weight's gradient FP32; "
-                    f"{_saved(tokens, vocab, low, self.ctx)} of logits not kept for backward{choice}",
+                    f"{grads}; {_saved(tokens, vocab, low, self.ctx)} of logits not kept for backward{choice}",
                     Precision.FP32 if exact else Precision.LOW,
                 )
             if self.kind == "log_prob_stats":  # the same outputs: its getitem users read them
@@ -375,11 +405,27 @@ class _Fusion:
             "node": stats.name,
             "vocab": vocab,
             "block": None if from_logits else (rows, cols),
+            "ahead": not from_logits and len(stats.args) > 9,
             "from_logits": from_logits,
             "exact": exact,
             "logits_kept_for": kept,
             "saved_bytes": saved_bytes,
         }
+
+    def _ahead(self, h, w, low, exact, tokens, vocab: int, width: int) -> str:
+        """The bytes of gradients the head keeps when it computes them in forward (its
+        loss a mean or sum of cross-entropies, in training), '' where it recomputes them in
+        backward: FP16 (its unscaled gradients could leave FP16's range), a loss per token
+        (weighed by the caller: its gradient is not known ahead), nothing to train, or
+        gradients larger than the logits they spare."""
+        if self.kind not in ("cross_entropy", "nll_loss") or _arg(self.node, 3, "reduction", 1) not in (1, 2):
+            return ""
+        if not (exact or low == torch.bfloat16) or not (needs_grad(h) or needs_grad(w)):
+            return ""
+        if isinstance(tokens, int):
+            kept = ahead_bytes(tokens, vocab, width)
+            return _size(kept) if kept <= tokens * vocab * torch.finfo(low).bits // 8 else ""
+        return f"{4 * width} bytes per token and {_size(4 * width * vocab)}"
 
     def _loss(self, picked, lse, total, target, ignore, smoothing, vocab):
         why = "loss from the fused head's FP32 statistics"

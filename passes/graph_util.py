@@ -7,7 +7,7 @@ import operator
 
 import torch
 
-from amp_compiler.meta import META_KEY, NodeInfo
+from amp_compiler.meta import META_KEY, REQUIRES_GRAD, NodeInfo
 
 # The dtypes mixed precision moves between. float64, integers, bool and complex
 # are never touched.
@@ -105,6 +105,22 @@ def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         if n.op == "call_function" and any(a in seen for a in n.all_input_nodes):
             seen.add(n)
     return seen
+
+
+def needs_grad(node: torch.fx.Node) -> bool:
+    """Whether backward will want a gradient for ``node``'s value: it is computed from a graph
+    input ``to_aten`` marked as requiring one. A subgraph's inputs carry no mark (a
+    checkpointed body, whose forward runs again in backward, counts as needing none)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.meta.get(REQUIRES_GRAD, False):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -3,6 +3,7 @@ recognises (and the ones it leaves), what executed and what was saved for backwa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -40,6 +41,14 @@ def _from_stats(stats, t, vocab, ignore=-100, smoothing=0.0):
 
 
 @pytest.fixture
+def fresh_kernels(monkeypatch):
+    """The block math compiled afresh: other tests' chains and flags, each a recompile of the
+    same code, may have spent Dynamo's recompile limit (past it a new variant runs eagerly)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(loss_head, "_KERNELS", {})
+
+
+@pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 10 tokens x 8 vocabulary entries: uneven blocks both ways, the log-sum-exp
     carried across a row's vocabulary blocks."""
@@ -72,7 +81,7 @@ def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias, small_blocks)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
-def test_block_math_runs_as_generated_kernels_and_wide_logits_stay_exact(small_blocks):
+def test_block_math_runs_as_generated_kernels_and_wide_logits_stay_exact(small_blocks, fresh_kernels):
     """Init-time logits spread wide (std 60: most terms exp() to below FP32's smallest normal,
     where ATen's exp is 6.6x slower): the op's per-block math executes as Inductor's kernels,
     one call a block forward and backward, no ATen exp at all; the loss and gradients equal
@@ -152,8 +161,141 @@ def test_op_registration_holds():
     t = torch.randint(0, 64, (12,), generator=g)
     torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, False, True))
     torch.library.opcheck(head_stats, (h, w, None, t, "m0.5,t", -100, False, True, "entropy,log_sum_sq,top1"))
+    b = torch.randn(64, generator=g, requires_grad=True)
+    torch.library.opcheck(head_stats, (h, w, b, t, "m0.5,t", -100, False, True, "", True, 0.1))
     z = (h @ w.t()).detach().requires_grad_()
     torch.library.opcheck(logits_stats, (z, t, "m0.5", -100, True, "entropy,top1"))
+
+
+# -- the one-pass head: gradients computed in forward --------------------------------------
+
+
+@pytest.fixture
+def small_ahead(monkeypatch):
+    """One-pass blocks of 10 tokens x 8 vocabulary entries (FP64 logits: 10 rows of 53 fit
+    4240 bytes): uneven both ways, rows balanced (37 tokens: 4 blocks of 10, 10, 10, 7)."""
+    monkeypatch.setattr(loss_head, "AHEAD_BYTES", 10 * 53 * 8)
+    monkeypatch.setattr(loss_head, "AHEAD_MIN_ROWS", 2)
+    monkeypatch.setattr(loss_head, "AHEAD_BLOCK_ELEMENTS", 80)
+    monkeypatch.setattr(loss_head, "MIN_COLS", 8)
+    assert loss_head.ahead_shape(37, 53, 8) == (10, 8)
+
+
+def _ce(stats, t, vocab, smoothing, reduction):
+    picked, lse, total = stats[:3]
+    valid = t != -100
+    loss = torch.where(valid, torch.lerp(lse - picked, lse - total / vocab, smoothing), 0.0).sum()
+    return loss / valid.sum() if reduction == "mean" else loss
+
+
+@pytest.mark.parametrize("chain", [[], [("m", 1 / 30), ("t", 0.0), ("m", 30.0)]])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("smoothing", "reduction"), [(0.0, "mean"), (0.1, "sum")])
+def test_one_pass_op_gives_the_cross_entropy_and_its_gradients(chain, bias, smoothing, reduction, small_ahead):
+    """ahead=True: the statistics are the recomputing op's, and the gradients it computed in
+    forward, scaled in backward by the loss's mean (x3: a gradient accumulation's scale) or sum,
+    are FP64 autograd's to FP32's rounding (the split product's accuracy where exact)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 37, 8, 53
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::5] = -100
+    leaves = [x for x in (h, w, b) if x is not None]
+    ref = 3 * _reference(h, w, b, t, chain, smoothing=smoothing, reduction=reduction)
+    ref_grads = torch.autograd.grad(ref, leaves)
+    args = (h, w, b, t, format_chain(chain), -100, True, bool(smoothing))
+    stats = HEAD(*args, "", True, smoothing)
+    for got, want in zip(stats[:3], HEAD(*args)[:3]):
+        torch.testing.assert_close(got, want)
+    assert [x.shape for x in stats[6:]] == [h.shape, w.shape, b.shape if bias else (0,)]
+    loss = 3 * _ce(stats, t, vocab, smoothing, reduction)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for got, want in zip(torch.autograd.grad(loss, leaves), ref_grads):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@contextlib.contextmanager
+def _gemms():
+    """Counts the GEMMs executed inside (every nested ATen call, by the profiler): ``[n]``."""
+    count = []
+    with torch.profiler.profile() as prof:
+        yield count
+    count.append(sum(e.name == "aten::mm" for e in prof.events()))
+
+
+def test_one_pass_backward_runs_no_gemm():
+    """16-bit, blocks as shipped: the forward runs the three GEMMs of every block (the
+    projection and both gradients), the backward none; the recomputing op runs one forward
+    and three again per block in backward (the projection twice)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 600, 16, 50000
+    h = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(vocab, d, generator=g, requires_grad=True)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    rows, cols = loss_head.ahead_shape(n, vocab, 2)
+    blocks = math.ceil(n / rows) * math.ceil(vocab / cols)
+    assert (rows, blocks) == (n, 4)  # 600 x 50000 BF16 logits fit AHEAD_BYTES: one row block
+    recomputed = len([c for _, cols in loss_head._blocks(n, vocab) for c in cols])
+    grads = {}
+    for ahead, forward, backward in [(True, 3 * blocks, 0), (False, recomputed, 3 * recomputed)]:
+        with _gemms() as ran_forward:
+            stats = HEAD(h, w, None, t, "", -100, False, False, "", ahead, 0.0)
+        with _gemms() as ran_backward:
+            (stats[1] - stats[0]).mean().backward()
+        assert (ran_forward, ran_backward) == ([forward], [backward])
+        assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+        grads[ahead], h.grad, w.grad = (h.grad, w.grad), None, None
+    for got, ref in zip(grads[True], grads[False]):  # the same gradients either way
+        assert cosine(got.float().flatten(), ref.float().flatten()) > 0.9999
+
+
+def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(small_ahead, caplog):
+    """A loss weighing each token (or adding a term on the log-sum-exp): the gradients
+    computed ahead are not its; backward recomputes them (right to FP32's rounding, GEMMs
+    executed) and warns once that the head costs its forward again."""
+    g = torch.Generator().manual_seed(2)
+    n, d, vocab = 37, 8, 53
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    weight = torch.rand(n, generator=g, dtype=torch.float64)
+    loss_head._warn_recomputed.cache_clear()
+    for loss_of in (lambda s: ((s[1] - s[0]) * weight).sum(), lambda s: (s[1] - s[0]).mean() + s[1].square().mean()):
+        ref_grads = torch.autograd.grad(loss_of(HEAD(h, w, None, t, "", -100, True, False)), (h, w))
+        loss = loss_of(HEAD(h, w, None, t, "", -100, True, False, "", True, 0.0))
+        with caplog.at_level("WARNING", logger="amp_compiler"), _gemms() as ran:
+            grads = torch.autograd.grad(loss, (h, w))
+        assert ran[0] > 0
+        for got, want in zip(grads, ref_grads):  # computed in FP32 (exact, on CPU) either way
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert sum("gradient was recomputed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_one_pass_rows_are_balanced_and_their_logits_bounded():
+    for tokens, vocab, itemsize in [(2048, 50257, 2), (8192, 151936, 2), (100, 50257, 2), (5000, 32000, 4)]:
+        rows, cols = loss_head.ahead_shape(tokens, vocab, itemsize)
+        blocks = math.ceil(tokens / rows)
+        assert rows * blocks - tokens < blocks  # as many tokens in each row block, to one
+        assert rows * vocab * itemsize <= loss_head.AHEAD_BYTES or rows == loss_head.AHEAD_MIN_ROWS
+        assert rows * cols <= loss_head.AHEAD_BLOCK_ELEMENTS and cols <= vocab
+    assert loss_head.ahead_shape(2048, 50257, 2)[0] == 1024
+    with pytest.raises(ValueError, match="extras have none"):
+        HEAD(
+            torch.randn(4, 8),
+            torch.randn(64, 8),
+            None,
+            torch.zeros(4, dtype=torch.long),
+            "",
+            -100,
+            False,
+            False,
+            "entropy",
+            True,
+            0.0,
+        )
 
 
 def _extras_reference(z, t):
@@ -193,6 +335,8 @@ def test_op_extras_are_the_statistics_of_the_logits(op, small_blocks):
     ref_grads = torch.autograd.grad(ref_loss, (h, w))
     if op == "head_stats":
         stats = HEAD(h, w, None, t, format_chain(chain), NO_IGNORE, True, True, "entropy,log_sum_sq,top1")
+        assert [x.numel() for x in stats[6:]] == [0, 0, 0]  # no gradients computed ahead
+        stats = stats[:6]
     else:
         stats = LOGITS_STATS(F.linear(h, w), t, format_chain(chain), NO_IGNORE, True, "entropy,log_sum_sq,top1")
     picked, lse, total, entropy, log_sum_sq, top1 = stats
@@ -210,13 +354,13 @@ def test_extras_not_asked_for_are_empty_and_cost_no_gradient():
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(6, 8, generator=g, requires_grad=True), torch.randn(64, 8, generator=g)
     t = torch.randint(0, 64, (6,), generator=g)
-    for stats in (HEAD(h, w, None, t, "", -100, False, False), LOGITS_STATS(h @ w.t(), t, "", -100, False)):
+    for stats in (HEAD(h, w, None, t, "", -100, False, False)[:6], LOGITS_STATS(h @ w.t(), t, "", -100, False)):
         assert [x.numel() for x in stats] == [6, 6, 6, 0, 0, 0] and stats[5].dtype == torch.bool
     with pytest.raises(ValueError, match="unknown statistics \\['argmax'\\]"):
         HEAD(h, w, None, t, "", -100, False, False, "entropy,argmax")
 
 
-def test_logits_stats_runs_as_one_generated_kernel_each_way():
+def test_logits_stats_runs_as_one_generated_kernel_each_way(fresh_kernels):
     """From logits a graph holds: one compiled call forward, one backward, no ATen exp."""
     from torch.profiler import profile
 
@@ -320,9 +464,9 @@ LOSSES = {
 }
 
 
-def _batch(seed=1, vocab=V):
+def _batch(seed=1, vocab=V, seq=32):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 32), generator=g)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :5] = -100  # a masked prompt
     return ids, labels
@@ -591,6 +735,51 @@ def test_logits_returned_too_are_kept_intact_and_projected_once():
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
 
 
+LONG = _batch(seq=256)
+
+
+def test_a_training_graph_computes_its_heads_gradients_in_forward():
+    """A mean loss over 512 tokens (logits 8 MiB, gradients 1.1 MiB): fused in one pass, the
+    head's backward only scales what forward computed (no recomputing op, no GEMM of the
+    vocabulary's width in backward), nothing of the logits' size saved, and loss and
+    gradients (the tied weight's: one, from both uses) those of the head as written."""
+    torch.manual_seed(0)
+    model = Decoder("hf", tied=True)
+    plain = copy.deepcopy(model)
+    with torch.profiler.profile() as prof:
+        done, rec, (loss,), saved = _run(model, "fused", batches=(LONG,))
+    _, _, (loss_off,), _ = _run(plain, "off", batches=(LONG,))
+    (head,) = _fused(done)
+    assert head["ahead"] and head["block"] == (512, V)
+    ran = {e.name for e in prof.events()}
+    assert "amp::head_stats_backward_ahead" in ran and "amp::head_stats_backward" not in ran
+    (row,) = [n for n in done.nodes if n.op == "amp.head_stats.default"]
+    assert "gradients computed in forward" in row.reason and "1.1 MiB of FP32 gradients kept" in row.reason
+    assert max(t.numel() for t in saved) < 512 * V
+    assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
+    assert model.head.weight is model.emb.weight
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
+
+
+@pytest.mark.parametrize("case", ["no_grad", "fp16", "per_token", "frozen"])
+def test_a_head_computes_its_gradients_in_backward_where_forward_cannot_know_them(case):
+    """Evaluation (no gradient wanted), FP16 (unscaled gradients could leave its range), a loss
+    per token (weighed by the caller) and a frozen model: the fused head computes no gradient
+    in forward."""
+    torch.manual_seed(0)
+    model = Decoder("none" if case == "per_token" else "hf")
+    if case == "frozen":
+        model.requires_grad_(False)
+    context = torch.no_grad() if case == "no_grad" else contextlib.nullcontext()
+    backend = AmpBackend(dtype="fp16" if case == "fp16" else "bf16", loss_head="fused")
+    torch._dynamo.reset()
+    with context:
+        torch.compile(model, backend=backend)(*LONG)
+    (head,) = [f for r in backend.records for p in r.passes if p.name == "fuse_loss_head" for f in p.detail["fused"]]
+    assert not head["ahead"]
+
+
 def test_tied_weights_get_one_gradient():
     torch.manual_seed(0)
     model = Decoder("hf", tied=True)
@@ -816,14 +1005,18 @@ def test_auto_weighs_the_devices_memory_by_default(monkeypatch):
     assert rec.dtypes_of(HEAD) and seen == ["cpu"]
 
 
-def test_auto_fuses_a_head_of_dynamic_size():
-    """Under dynamic=True the number of tokens has no bound: the head is fused."""
+@pytest.mark.parametrize("loss", ["hf", "none"])
+def test_auto_fuses_a_head_of_dynamic_size(loss):
+    """Under dynamic=True the number of tokens has no bound: the head is fused, in one pass
+    where its loss is a mean (bounded by the tokens: gradients of 4 x width bytes a token)."""
     g = torch.Generator().manual_seed(0)
     batches = [(ids, ids) for ids in (torch.randint(0, V, (2, n), generator=g) for n in (16, 24, 40))]
     torch.manual_seed(0)
-    done, rec, _, _ = _run(Decoder("hf"), "auto", dynamic=True, batches=batches, memory_bytes=1 << 40)
+    done, rec, _, _ = _run(Decoder(loss), "auto", dynamic=True, batches=batches, memory_bytes=1 << 40)
     assert len(rec.dtypes_of(HEAD)) == 3
-    assert any("auto: fused, the number of tokens is dynamic" in n.reason for n in done.nodes)
+    why = "auto: fused, in one pass" if loss == "hf" else "auto: fused, the number of tokens is dynamic"
+    assert any(why in n.reason for n in done.nodes)
+    assert {f["ahead"] for f in done.fused} == {loss == "hf"}
 
 
 def test_device_memory_is_the_ram_or_the_containers_limit():
