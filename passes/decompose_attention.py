@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .graph_util import refresh_vals
+from .graph_util import from_input, refresh_vals
 from .infra import PassContext, PassResult
 
 aten = torch.ops.aten
@@ -46,18 +46,11 @@ SHORT_SCORES = 3 * 2**20
 
 def _from_parameter(node: torch.fx.Node) -> bool:
     """Whether a value is computed from a graph input that requires grad (a parameter)."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            val = n.meta.get("val")
-            if "parameters" in n.name or getattr(val, "requires_grad", False):
-                return True
-        todo.extend(n.all_input_nodes)
-    return False
+
+    def parameter(n: torch.fx.Node) -> bool:
+        return "parameters" in n.name or getattr(n.meta.get("val"), "requires_grad", False)
+
+    return from_input(node, parameter)
 
 
 def _static(*shapes) -> bool:

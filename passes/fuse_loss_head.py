@@ -14,8 +14,9 @@ applied, and the loss rebuilt from its three per-token FP32 statistics with ordi
 ops (ignore_index, label smoothing, reduction); ``amp::logits_stats`` becomes
 ``amp::head_stats`` with the same outputs. Logits with another reader (a model output)
 stay as written and the loss reads its statistics from them (``amp::logits_stats``, no
-second projection). A head that does not match is left exactly as it was,
-with the reason on its loss node.
+second projection). In a training graph whose loss is a mean or sum of the cross-entropies
+the op computes its gradients in forward (``ahead``, BF16 or exact: see ``_Fusion._ahead``).
+A head that does not match is left exactly as it was, with the reason on its loss node.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class _Fusion:
         """``loss_head="auto"``: fuse where the logits kept for backward would take a large share
         of the memory, else keep the faster head as written (raises _NotFused with the figures)."""
         tokens = self._tokens()
-        if self.ahead:
+        if self.ahead and _val(head).device.type == "cpu":  # measured there only
             logits = _saved(tokens, vocab, _val(head).dtype, self.ctx)
             return (
                 "auto: fused, in one pass: computing its gradients in forward costs no more time than the head "

@@ -107,20 +107,25 @@ def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return seen
 
 
-def needs_grad(node: torch.fx.Node) -> bool:
-    """Whether backward will want a gradient for ``node``'s value: it is computed from a graph
-    input ``to_aten`` marked as requiring one. A subgraph's inputs carry no mark (a
-    checkpointed body, whose forward runs again in backward, counts as needing none)."""
+def from_input(node: torch.fx.Node, which) -> bool:
+    """Whether ``node``'s value is computed from a graph input (placeholder) ``which`` accepts."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "placeholder" and n.meta.get(REQUIRES_GRAD, False):
+        if n.op == "placeholder" and which(n):
             return True
         todo.extend(n.all_input_nodes)
     return False
+
+
+def needs_grad(node: torch.fx.Node) -> bool:
+    """Whether backward will want a gradient for ``node``'s value: it is computed from a graph
+    input ``to_aten`` marked as requiring one. A subgraph's inputs carry no mark (a
+    checkpointed body, whose forward runs again in backward, counts as needing none)."""
+    return from_input(node, lambda n: n.meta.get(REQUIRES_GRAD, False))
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

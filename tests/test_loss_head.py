@@ -40,6 +40,18 @@ def _from_stats(stats, t, vocab, ignore=-100, smoothing=0.0):
     return torch.where(valid, nll, 0.0).sum() / valid.sum()
 
 
+def _fp64_head(bias: bool, n=37, d=8, vocab=53):
+    """FP64 hidden states, weight (and bias) of a head, targets with every fifth ignored, and
+    the tensors that want gradients."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::5] = -100
+    return h, w, b, t, [x for x in (h, w, b) if x is not None]
+
+
 @pytest.fixture
 def fresh_kernels(monkeypatch):
     """The block math compiled afresh: other tests' chains and flags, each a recompile of the
@@ -63,14 +75,8 @@ def small_blocks(monkeypatch):
 def test_op_gives_the_cross_entropy_and_its_gradients(chain, bias, small_blocks):
     """In FP64 (exact) the op's loss and gradients are the unfused head's, over uneven blocks
     of tokens and vocabulary, with ignored targets and label smoothing."""
-    g = torch.Generator().manual_seed(0)
-    n, d, vocab = 37, 8, 53
-    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
-    t = torch.randint(0, vocab, (n,), generator=g)
-    t[::5] = -100
-    leaves = [x for x in (h, w, b) if x is not None]
+    h, w, b, t, leaves = _fp64_head(bias)
+    vocab = w.shape[0]
     ref = _reference(h, w, b, t, chain, smoothing=0.1)
     ref_grads = torch.autograd.grad(ref, leaves)
     stats = HEAD(h, w, b, t, format_chain(chain), -100, True, True)
@@ -195,14 +201,8 @@ def test_one_pass_op_gives_the_cross_entropy_and_its_gradients(chain, bias, smoo
     """ahead=True: the statistics are the recomputing op's, and the gradients it computed in
     forward, scaled in backward by the loss's mean (x3: a gradient accumulation's scale) or sum,
     are FP64 autograd's to FP32's rounding (the split product's accuracy where exact)."""
-    g = torch.Generator().manual_seed(0)
-    n, d, vocab = 37, 8, 53
-    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
-    t = torch.randint(0, vocab, (n,), generator=g)
-    t[::5] = -100
-    leaves = [x for x in (h, w, b) if x is not None]
+    h, w, b, t, leaves = _fp64_head(bias)
+    vocab = w.shape[0]
     ref = 3 * _reference(h, w, b, t, chain, smoothing=smoothing, reduction=reduction)
     ref_grads = torch.autograd.grad(ref, leaves)
     args = (h, w, b, t, format_chain(chain), -100, True, bool(smoothing))
