@@ -31,6 +31,7 @@ BF16 products (three BF16 GEMMs writing FP32) where the GEMM writes FP32, else i
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -262,9 +263,9 @@ def _finish(stats, want) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, with_bias, entropy=None, g_entropy=None):
-    """dLoss/dlogits of one block (recomputed logits in), in ``out_dtype``; and its column sums.
-    ``entropy``: the rows' entropies, whose gradient ``g_entropy`` adds -p (log p + H)."""
+def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, entropy=None, g_entropy=None):
+    """dLoss/dlogits of one block (recomputed logits in), in ``out_dtype``. ``entropy``: the
+    rows' entropies, whose gradient ``g_entropy`` adds -p (log p + H)."""
     z, tanhs = _chain(z.float(), chain)
     p = _exp_above_floor(z - lse[:, None])
     dz = p * g_lse[:, None] + g_total[:, None]
@@ -277,24 +278,37 @@ def _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out_dtype, with_bia
         else:
             y = tanhs.pop()
             dz = dz * (1 - y * y)
-    return dz.to(out_dtype), dz.sum(0) if with_bias else None
+    return dz.to(out_dtype)
 
 
-def _grad_block_into(out, z, lse, g_lse, g_total, g_picked, at, chain, with_bias, entropy=None, g_entropy=None):
-    """``_grad_block`` written into ``out`` (a reused block buffer); returns the column sums."""
-    dz, sums = _grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out.dtype, with_bias, entropy, g_entropy)
-    out.copy_(dz)
-    return sums
+def _grad_block_into(out, z, lse, g_lse, g_total, g_picked, at, chain, entropy=None, g_entropy=None):
+    """``_grad_block`` written into ``out`` (a reused block buffer)."""
+    out.copy_(_grad_block(z, lse, g_lse, g_total, g_picked, at, chain, out.dtype, entropy, g_entropy))
 
+
+# Tags of the ops that read a value back to the host (a target out of the vocabulary raises;
+# the one-pass backward checks the loss's gradient): Inductor keeps them out of CUDA graphs
+SYNCS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 
 _KERNELS: dict[str, object] = {}
+# Compiles each block function may make: one per chain, flag set and logit dtype a process
+# uses. Past Dynamo's default of 8 a fullgraph compile raises, and the head would run its
+# blocks as ATen calls from then on.
+KERNEL_RECOMPILES = 64
+
+
+def _compiled(fn):
+    options = {"dynamic": True, "fullgraph": True}
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:  # torch >= 2.13
+        options["recompile_limit"] = KERNEL_RECOMPILES
+    return torch.compile(fn, **options)
 
 
 def _kernel(fn):
     """``fn`` compiled by Inductor, or as written where Inductor cannot compile here (warned once)."""
     name = fn.__name__
     if name not in _KERNELS:
-        _KERNELS[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _KERNELS[name] = _compiled(fn)
     compiled = _KERNELS[name]
 
     def run(*args):
@@ -338,7 +352,7 @@ def _in_block(target: torch.Tensor, cols: slice) -> torch.Tensor:
     return torch.where(inside, target - cols.start, -1)
 
 
-@torch.library.custom_op("amp::head_stats", mutates_args=())
+@torch.library.custom_op("amp::head_stats", mutates_args=(), tags=SYNCS)
 def head_stats(
     h: torch.Tensor,
     w: torch.Tensor,
@@ -446,20 +460,22 @@ def head_stats_backward(
             z = _project(hc, wc, None if b is None else b[cols], exact, _in(z_buffer, rows, cols))
             at = _in_block(safe[rows], cols)
             dl = _in(dl_buffer, rows, cols)
-            db_cols = grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, b is not None, *ent)
+            grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, *ent)
             del z
-            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, db_cols, exact)
+            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact)
         dh[rows] = dh_rows
     return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 
-def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, db_cols, exact, first=False) -> None:
+def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> None:
     """Add one block's share of the gradients: ``dl`` (dLoss/dlogits of rows ``hc`` x
     vocabulary entries ``cols``) times the weight's rows ``wc`` into ``dh_rows``, times ``hc``
     into the weight's gradient rows ``cols`` (written, not added, where ``first``), and its
-    column sums into the bias's."""
-    if db_cols is not None:
-        db[cols] += db_cols
+    column sums into the bias's (``db``, empty without one). The sums are a GEMV: as a
+    reduction over the rows in the generated kernel (or ATen's ``sum(0)``) they made it 5x
+    slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7)."""
+    if db.numel():
+        db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
     mm = exact_mm if exact else torch.mm
     dh_rows.add_(mm(dl, wc))
     if first:
@@ -469,15 +485,16 @@ def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, db_cols, exact, first=Fa
 
 
 # The one-pass head (``ahead``) holds a row block's logits over the whole vocabulary, since
-# no gradient is known before the row's log-sum-exp: at most this many bytes of them (at
-# least AHEAD_MIN_ROWS rows); 4x on a GPU, whose logits are FP32 (2731 of 8192 tokens of a
-# 50k vocabulary: under the 16-bit logits a head as written keeps)
-AHEAD_BYTES = 128 << 20
+# no gradient is known before the row's log-sum-exp: this many bytes of them, 4x on a GPU
+# (whose logits are FP32), but at least AHEAD_MIN_ROWS tokens, as each row block adds the
+# weight's whole FP32 gradient once more (a 32k-vocabulary step on a 2-core CPU, against the
+# head as written: 1.04x at 2 row blocks, 1.07x at 4; peak memory 0.84x and 0.74x)
+AHEAD_BYTES = 64 << 20
 AHEAD_GPU_SCALE = 4
-AHEAD_MIN_ROWS = 256
+AHEAD_MIN_ROWS = 1024
 # Logits per block of the one-pass head: fewer, larger blocks than the recomputing head's, as
-# it holds them anyway (a 50k-vocabulary decoder's step on a 2-core CPU: 64 MiB rows, 4M
-# blocks 1.02x the head as written; 128 MiB rows, 8M blocks 0.99x)
+# it holds them anyway (a 50k-vocabulary decoder's step on a 2-core CPU: 4M blocks 1.02x the
+# head as written, 8M 0.99x)
 AHEAD_BLOCK_ELEMENTS = 1 << 23
 # How far the loss's gradient may stray from a multiple of the one computed ahead (FP32
 # rounding of the loss's own ops) and still be that multiple
@@ -548,8 +565,8 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
         dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
         for cs, z, at in held:
             dl = dl_buffer[: z.numel()].view(z.shape)
-            db_cols = grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps, b is not None)
-            _add_block_grads(dl, hc, wc_all[cs], cs, dh_rows, dw, db, db_cols, exact, first=r == 0)
+            grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps)
+            _add_block_grads(dl, hc, wc_all[cs], cs, dh_rows, dw, db, exact, first=r == 0)
         held.clear()
         dh[rs] = dh_rows
     stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
@@ -580,7 +597,7 @@ def _warn_recomputed() -> None:
     )
 
 
-@torch.library.custom_op("amp::head_stats_backward_ahead", mutates_args=())
+@torch.library.custom_op("amp::head_stats_backward_ahead", mutates_args=(), tags=SYNCS)
 def head_stats_backward_ahead(
     g_picked: torch.Tensor,
     g_lse: torch.Tensor,
@@ -668,7 +685,7 @@ def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
 head_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("amp::logits_stats", mutates_args=())
+@torch.library.custom_op("amp::logits_stats", mutates_args=(), tags=SYNCS)
 def logits_stats(
     z: torch.Tensor, target: torch.Tensor, chain: str, ignore_index: int, with_sum: bool, extras: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -702,19 +719,7 @@ def logits_stats_backward(
     """dLoss/dz in ``z``'s dtype (``g_entropy`` and ``entropy`` empty where no entropy gradient flows)."""
     safe, g_picked = _ignored(target, ignore_index, g_picked)
     ent = (entropy, g_entropy) if entropy.numel() else (None, None)
-    dz, _ = _kernel(_grad_block)(
-        z,
-        lse,
-        g_lse,
-        g_total,
-        g_picked,
-        safe,
-        parse_chain(chain),
-        z.dtype,
-        False,
-        *ent,
-    )
-    return dz
+    return _kernel(_grad_block)(z, lse, g_lse, g_total, g_picked, safe, parse_chain(chain), z.dtype, *ent)
 
 
 @logits_stats_backward.register_fake

@@ -44,7 +44,7 @@ def measure(size: int, std: float, reps: int) -> dict[str, float]:
         "forward, ATen calls": lambda: eager_forward(z, top, zeros.clone(), at),
         "forward, generated": lambda: fold(z, L._start(size, z), at, (), False, (False, False, False)),
         "backward, ATen calls": lambda: eager_backward(z, lse, grad, at),
-        "backward, generated": lambda: dlogits(z, lse, grad, zeros, grad, at, (), torch.bfloat16, False),
+        "backward, generated": lambda: dlogits(z, lse, grad, zeros, grad, at, (), torch.bfloat16),
     }
     for run in cases.values():
         run(), run()
