@@ -363,7 +363,7 @@ def head_stats(
     exact: bool,
     with_sum: bool,
     extras: str = "",
-    ahead: bool = False,
+    ahead: str = "",
     smoothing: float = 0.0,
 ) -> tuple[
     torch.Tensor,
@@ -380,15 +380,15 @@ def head_stats(
     sum of squared probabilities, whether the target is the first argmax); the last three
     where ``extras`` names them (empty otherwise). FP32 but the last (bool).
 
-    ``ahead``: also the gradients for h, w and b (FP32) of the cross-entropy
-    ``sum_i valid_i (lse_i - (1 - smoothing) picked_i - smoothing / V total_i)``, computed
-    while each block's logits are at hand (``ahead_grads``); backward only scales them where
-    the loss's gradient is that one's times a number, as a mean or sum of the loss makes it.
-    Empty otherwise."""
+    ``ahead`` (``"h"``, ``"w"`` or ``"hw"``): also these gradients (FP32; ``"w"``: w's and b's)
+    of the cross-entropy ``sum_i valid_i (lse_i - (1 - smoothing) picked_i - smoothing / V total_i)``,
+    computed while each block's logits are at hand (``ahead_grads``); backward only scales them
+    where the loss's gradient is that one's times a number, as a mean or sum of the loss makes
+    it. Empty where not asked for."""
     if ahead:
         if extras:
-            raise ValueError("amp::head_stats: ahead=True computes the cross-entropy's gradient; extras have none")
-        return ahead_grads(h, w, b, target, chain, ignore_index, exact, smoothing)
+            raise ValueError("amp::head_stats: ahead computes the cross-entropy's gradient; extras have none")
+        return ahead_grads(h, w, b, target, chain, ignore_index, exact, smoothing, _grads(ahead))
     steps, want = parse_chain(chain), parse_extras(extras)
     n, vocab = h.shape[0], w.shape[0]
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
@@ -414,12 +414,28 @@ def _fake_stats(n: int, like: torch.Tensor, extras: str):
 
 
 @head_stats.register_fake
-def _(h, w, b, target, chain, ignore_index, exact, with_sum, extras="", ahead=False, smoothing=0.0):
+def _(h, w, b, target, chain, ignore_index, exact, with_sum, extras="", ahead="", smoothing=0.0):
     stats = _fake_stats(h.shape[0], h, extras)
-    if not ahead:
-        return (*stats, *(h.new_empty(0, dtype=torch.float32) for _ in range(3)))
-    db = b.new_empty(b.shape, dtype=torch.float32) if b is not None else h.new_empty(0, dtype=torch.float32)
-    return (*stats, h.new_empty(h.shape, dtype=torch.float32), w.new_empty(w.shape, dtype=torch.float32), db)
+    return (*stats, *_grad_outputs(h, w, b, _grads(ahead) if ahead else (False, False), torch.float32))
+
+
+def _grads(which: str) -> tuple[bool, bool]:
+    """``"hw"``: whether h's gradient and w's (with b's) are wanted."""
+    if not which or set(which) - {"h", "w"}:
+        raise ValueError(f"amp::head_stats: gradients {which!r}: name 'h', 'w' or both")
+    return "h" in which, "w" in which
+
+
+def _grad_outputs(h, w, b, wanted: tuple[bool, bool], dtype=None):
+    """Empty tensors for h's, w's and b's gradients (in ``dtype``, else the inputs' own),
+    of no elements where not ``wanted`` (b's: also without a bias)."""
+    want_h, want_w = wanted
+    none = h.new_empty(0, dtype=dtype or h.dtype)
+    return (
+        h.new_empty(h.shape, dtype=dtype or h.dtype) if want_h else none,
+        w.new_empty(w.shape, dtype=dtype or w.dtype) if want_w else none.clone(),
+        b.new_empty(b.shape, dtype=dtype or b.dtype) if want_w and b is not None else none.clone(),
+    )
 
 
 @torch.library.custom_op("amp::head_stats_backward", mutates_args=())
@@ -437,23 +453,24 @@ def head_stats_backward(
     chain: str,
     ignore_index: int,
     exact: bool,
+    grads: str = "hw",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for h, w and b (an empty tensor without bias), logits recomputed per block;
-    ``g_entropy`` and ``entropy`` empty where no entropy gradient flows."""
+    """Gradients for h, w and b (empty without bias, or where ``grads`` does not name them:
+    ``"h"``, ``"w"`` or ``"hw"``), logits recomputed per block; ``g_entropy`` and ``entropy``
+    empty where no entropy gradient flows."""
     steps = parse_chain(chain)
     n, vocab = h.shape[0], w.shape[0]
     safe, g_picked = _ignored(target, ignore_index, g_picked)
     with_entropy = entropy.numel() > 0
     grad_dtype = torch.float32 if exact else h.dtype
-    dh = torch.empty_like(h)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
+    dh, dw, db = _grad_outputs(h, w, b, _grads(grads), torch.float32)
+    dw.zero_(), db.zero_()
     grad = _kernel(_grad_block_into)
     z_buffer = _block_buffer(h, vocab, exact)
     dl_buffer = _block_buffer(h, vocab, exact, grad_dtype)
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
         hc = h[rows].float() if exact else h[rows]
-        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
+        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
         ent = (entropy[rows], g_entropy[rows]) if with_entropy else (None, None)
         for cols in col_blocks:
             wc = w[cols].to(grad_dtype)
@@ -463,8 +480,9 @@ def head_stats_backward(
             grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, *ent)
             del z
             _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact)
-        dh[rows] = dh_rows
-    return dh, dw.to(w.dtype), db.to(b.dtype) if b is not None else db
+        if dh.numel():
+            dh[rows] = dh_rows
+    return dh.to(h.dtype), dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 
 def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> None:
@@ -477,7 +495,10 @@ def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> N
     if db.numel():
         db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
     mm = exact_mm if exact else torch.mm
-    dh_rows.add_(mm(dl, wc))
+    if dh_rows.numel():
+        dh_rows.add_(mm(dl, wc))
+    if not dw.numel():
+        return
     if first:
         dw[cols] = mm(dl.t(), hc)
     else:
@@ -514,7 +535,8 @@ def ahead_shape(tokens: int, vocab: int, itemsize: int, device: str = "cpu") -> 
 
 
 def ahead_bytes(tokens: int, vocab: int, width: int) -> int:
-    """What the one-pass head keeps for backward: FP32 gradients for h and the weight."""
+    """What the one-pass head keeps for backward: FP32 gradients for h (``tokens`` rows; 0
+    where h needs none) and the weight (``vocab`` rows; 0 for a frozen weight)."""
     return 4 * width * (tokens + vocab)
 
 
@@ -524,11 +546,12 @@ def _ahead_row_grads(valid: torch.Tensor, smoothing: float, vocab: int):
     return v, v * -(1.0 - smoothing), v * (-smoothing / vocab)
 
 
-def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smoothing: float):
-    """``head_stats(ahead=True)``: each row block's logits projected once and held (over
+def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smoothing: float, wanted=(True, True)):
+    """``head_stats(ahead=...)``: each row block's logits projected once and held (over
     the whole vocabulary, ``ahead_shape``) until its log-sum-exp is known, then turned into
-    dLoss/dlogits block by block and multiplied out into the gradients, as ``head_stats_backward``
-    does from recomputed logits: three GEMMs per block instead of four."""
+    dLoss/dlogits block by block and multiplied out into the ``wanted`` gradients (h's, w's
+    and b's), as ``head_stats_backward`` does from recomputed logits: three GEMMs per block
+    instead of four (two instead of three for a frozen weight)."""
     steps, want = parse_chain(chain), (False, False, False)
     n, vocab = h.shape[0], w.shape[0]
     valid = _check_targets(target, vocab, ignore_index)
@@ -542,9 +565,8 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
     rows, cols = ahead_shape(n, vocab, itemsize, h.device.type)
     z_buffer = None if allocates else torch.empty(rows * vocab, dtype=grad_dtype, device=h.device)
     dl_buffer = torch.empty(rows * cols, dtype=grad_dtype, device=h.device)
-    dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-    dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # the first row block writes it
-    db = torch.zeros(vocab, dtype=torch.float32, device=w.device) if b is not None else h.new_empty(0)
+    dh, dw, db = _grad_outputs(h, w, b, wanted, torch.float32)  # the first row block writes dw
+    db.zero_()
     fold, grad = _kernel(_stats_block), _kernel(_grad_block_into)
     out = []
     for r in range(0, n, rows):
@@ -562,13 +584,14 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
             held.append((cs, z, at))
         part = _finish(stats, want)
         out.append(part)
-        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device)
+        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
         for cs, z, at in held:
             dl = dl_buffer[: z.numel()].view(z.shape)
             grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps)
             _add_block_grads(dl, hc, wc_all[cs], cs, dh_rows, dw, db, exact, first=r == 0)
         held.clear()
-        dh[rs] = dh_rows
+        if dh.numel():
+            dh[rs] = dh_rows
     stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
     return (*stats, dh, dw, db)
 
@@ -614,28 +637,30 @@ def head_stats_backward_ahead(
     ignore_index: int,
     exact: bool,
     smoothing: float,
+    grads: str = "hw",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for h, w and b: those ``head_stats(ahead=True)`` computed, times the loss's
-    scale (its mean's 1/tokens, a sum's 1); recomputed per block (``head_stats_backward``,
-    warned once) where the loss's gradient is not a multiple of theirs."""
+    """Gradients for h, w and b (those ``grads`` names, else empty): the ones ``head_stats``
+    computed ahead, times the loss's scale (its mean's 1/tokens, a sum's 1); recomputed per
+    block (``head_stats_backward``, warned once) where the loss's gradient is not a multiple
+    of theirs."""
     scale = _ahead_scale(g_picked, g_lse, g_total, target, ignore_index, smoothing, w.shape[0])
     if scale is None:
         _warn_recomputed()
         none = lse.new_empty(0)  # no entropy gradient
-        args = (h, w, b, target, lse, none, chain, ignore_index, exact)
+        args = (h, w, b, target, lse, none, chain, ignore_index, exact, grads)
         return head_stats_backward(g_picked, g_lse, g_total, none, *args)
-    db = (db * scale).to(b.dtype) if b is not None else h.new_empty(0)
-    return (dh * scale).to(h.dtype), (dw * scale).to(w.dtype), db
+    dh, dw, db = ((g * scale).to(like.dtype) for g, like in zip((dh, dw, db), (h, w, w if b is None else b)))
+    return dh, dw, db
 
 
 @head_stats_backward_ahead.register_fake
-def _(g_picked, g_lse, g_total, h, w, b, target, lse, dh, dw, db, chain, ignore_index, exact, smoothing):
-    return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
+def _(g_picked, g_lse, g_total, h, w, b, target, lse, dh, dw, db, chain, ignore_index, exact, smoothing, grads="hw"):
+    return _grad_outputs(h, w, b, _grads(grads))
 
 
 @head_stats_backward.register_fake
-def _(g_picked, g_lse, g_total, g_entropy, h, w, b, target, lse, entropy, chain, ignore_index, exact):
-    return torch.empty_like(h), torch.empty_like(w), torch.empty_like(b) if b is not None else h.new_empty(0)
+def _(g_picked, g_lse, g_total, g_entropy, h, w, b, target, lse, entropy, chain, ignore_index, exact, grads="hw"):
+    return _grad_outputs(h, w, b, _grads(grads))
 
 
 def _ignored(target: torch.Tensor, ignore_index: int, g_picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -659,7 +684,7 @@ def _setup_context(ctx, inputs, output):
     ctx.ahead, ctx.has_bias = ahead, b is not None
     if ahead:  # the gradients computed in forward, and what recomputing them would need
         ctx.save_for_backward(h, w, b, target, output[1], *output[6:])
-        ctx.args = (chain, ignore_index, exact, smoothing)
+        ctx.args = (chain, ignore_index, exact, smoothing, ahead)
     else:
         ctx.save_for_backward(h, w, b, target, output[1], output[3])
         ctx.args = (chain, ignore_index, exact)
@@ -676,10 +701,13 @@ def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
     else:
         h, w, b, target, lse, entropy = ctx.saved_tensors
         *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        wanted = "h" * need_h + "w" * (need_w or need_b)
         dh, dw, db = torch.ops.amp.head_stats_backward(
-            *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args
+            *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args, wanted or "hw"
         )
-    return dh, dw, db if ctx.has_bias else None, *(None,) * 8
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    return dh if need_h else None, dw if need_w else None, db if need_b else None, *(None,) * 8
 
 
 head_stats.register_autograd(_backward, setup_context=_setup_context)

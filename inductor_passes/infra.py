@@ -7,11 +7,16 @@ import importlib
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+# Modules defining ops amp's graphs call: Inductor writes a custom op's arguments, defaults
+# included, into the code it caches, and keys the cache by the graph alone (an op whose
+# schema changed was called from the disk cache with its old defaults, and refused them)
+OP_MODULES = ("amp_compiler.loss_head",)
+
 
 class InductorPass(CustomGraphPass):
     """Runs ``module.name(graph)`` (looked up at each call); Inductor's caches key it by the
-    module's source file and graph_util's, so an edited pass never reuses graphs compiled by
-    the old one."""
+    module's source file, graph_util's and those of amp's own ops, so an edited pass or op
+    never reuses graphs compiled with the old one."""
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
@@ -23,7 +28,8 @@ class InductorPass(CustomGraphPass):
         from amp_compiler.passes import graph_util  # the helpers every pass imports
 
         digest = hashlib.sha256()
-        for path in (importlib.import_module(self.module).__file__, graph_util.__file__):
+        ops = [importlib.import_module(name).__file__ for name in OP_MODULES]
+        for path in (importlib.import_module(self.module).__file__, graph_util.__file__, *ops):
             with open(path, "rb") as f:
                 digest.update(f.read())
         return digest.digest()

@@ -129,6 +129,7 @@ class _Fusion:
         self.choice = ""  # loss_head="auto": why fused
         self.from_logits = False  # the statistics read from logits the graph keeps anyway
         self.ahead = ""  # the gradients' bytes where the head computes them in forward
+        self.grads = ""  # which: "h", "w" or "hw" (its input's, its weight's and bias's)
 
     # -- recognise ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -151,7 +152,7 @@ class _Fusion:
         if self.from_logits and self.kind == "log_prob_stats":
             raise _NotFused(f"its logits are read elsewhere too ({', '.join(kept)}): the statistics read them")
         low, tokens = _val(head).dtype, self._tokens()
-        self.ahead = "" if self.from_logits else self._ahead(h, w, low, exact, tokens, vocab, width)
+        self.ahead = "" if self.from_logits else self._ahead(h, w, b, low, exact, tokens, vocab, width)
         if self.ctx.options.loss_head == "auto":
             self.choice = self._choose_kept(kept) if self.from_logits else self._choose(head, vocab)
         if exact:
@@ -363,7 +364,7 @@ class _Fusion:
                 )
                 args = [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras]
                 if ahead := self.ahead:
-                    args += [True, float(smoothing)]
+                    args += [self.grads, float(smoothing)]
                     itemsize = 4 if exact else low.itemsize
                     rows, cols = ahead_shape(tokens or MAX_ROWS, vocab, itemsize, _val(h).device.type)
                     grads = (
@@ -407,14 +408,14 @@ class _Fusion:
             "node": stats.name,
             "vocab": vocab,
             "block": None if from_logits else (rows, cols),
-            "ahead": not from_logits and len(stats.args) > 9,
+            "ahead": self.grads if self.ahead else "",
             "from_logits": from_logits,
             "exact": exact,
             "logits_kept_for": kept,
             "saved_bytes": saved_bytes,
         }
 
-    def _ahead(self, h, w, low, exact, tokens, vocab: int, width: int) -> str:
+    def _ahead(self, h, w, b, low, exact, tokens, vocab: int, width: int) -> str:
         """The bytes of gradients the head keeps when it computes them in forward (its
         loss a mean or sum of cross-entropies, in training), '' where it recomputes them in
         backward: FP16 (its unscaled gradients could leave FP16's range), a loss per token
@@ -422,12 +423,15 @@ class _Fusion:
         gradients larger than the logits they spare."""
         if self.kind not in ("cross_entropy", "nll_loss") or _arg(self.node, 3, "reduction", 1) not in (1, 2):
             return ""
-        if not (exact or low == torch.bfloat16) or not (needs_grad(h) or needs_grad(w)):
+        want_h, want_w = needs_grad(h), needs_grad(w) or (b is not None and needs_grad(b))
+        self.grads = "h" * want_h + "w" * want_w
+        if not (exact or low == torch.bfloat16) or not self.grads:
             return ""
         if isinstance(tokens, int):
-            kept = ahead_bytes(tokens, vocab, width)
+            kept = ahead_bytes(tokens * want_h, vocab * want_w, width)
             return _size(kept) if kept <= tokens * vocab * torch.finfo(low).bits // 8 else ""
-        return f"{4 * width} bytes per token and {_size(4 * width * vocab)}"
+        per_token = f"{4 * width} bytes per token" if want_h else ""
+        return " and ".join(filter(None, (per_token, _size(4 * width * vocab) if want_w else "")))
 
     def _loss(self, picked, lse, total, target, ignore, smoothing, vocab):
         why = "loss from the fused head's FP32 statistics"

@@ -3,6 +3,8 @@ backward saves, with the same values as the program without them."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -388,3 +390,17 @@ def test_joint_passes_are_one_custom_pass_for_every_inductor():
     assert ran == [("a", "g"), ("b", "g")]
     assert passes.uuid() != InductorPasses(Stub("b"), Stub("a")).uuid()
     assert callable(passes) and not isinstance(passes, list)
+
+
+def test_an_edited_op_of_amps_changes_inductors_cache_key(tmp_path, monkeypatch):
+    """Inductor caches a custom op's call with its default arguments written out: a pass's key
+    covers the source of amp's ops, so a changed schema never runs cached code of the old."""
+    from amp_compiler import loss_head
+    from amp_compiler.inductor_passes.infra import InductorPass
+
+    p = InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks")
+    before = p.uuid()
+    edited = tmp_path / "loss_head.py"
+    edited.write_text(pathlib.Path(loss_head.__file__).read_text() + "\n# a new default\n")
+    monkeypatch.setattr(loss_head, "__file__", str(edited))
+    assert p.uuid() != before

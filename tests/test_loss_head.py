@@ -169,7 +169,7 @@ def test_op_registration_holds():
     torch.library.opcheck(head_stats, (h, w, None, t, "m0.5", -100, False, True))
     torch.library.opcheck(head_stats, (h, w, None, t, "m0.5,t", -100, False, True, "entropy,log_sum_sq,top1"))
     b = torch.randn(64, generator=g, requires_grad=True)
-    torch.library.opcheck(head_stats, (h, w, b, t, "m0.5,t", -100, False, True, "", True, 0.1))
+    torch.library.opcheck(head_stats, (h, w, b, t, "m0.5,t", -100, False, True, "", "hw", 0.1))
     for op in (torch.ops.amp.head_stats, torch.ops.amp.head_stats_backward_ahead, LOGITS_STATS):
         assert set(loss_head.SYNCS) <= set(op.default.tags)  # they read back to the host: no CUDA graph
     z = (h @ w.t()).detach().requires_grad_()
@@ -209,7 +209,7 @@ def test_one_pass_op_gives_the_cross_entropy_and_its_gradients(chain, bias, smoo
     ref = 3 * _reference(h, w, b, t, chain, smoothing=smoothing, reduction=reduction)
     ref_grads = torch.autograd.grad(ref, leaves)
     args = (h, w, b, t, format_chain(chain), -100, True, bool(smoothing))
-    stats = HEAD(*args, "", True, smoothing)
+    stats = HEAD(*args, "", "hw", smoothing)
     for got, want in zip(stats[:3], HEAD(*args)[:3]):
         torch.testing.assert_close(got, want)
     assert [x.shape for x in stats[6:]] == [h.shape, w.shape, b.shape if bias else (0,)]
@@ -229,30 +229,37 @@ def _gemms():
     count.append(sum(e.name == "aten::mm" for e in prof.events()))
 
 
-def test_one_pass_backward_runs_no_gemm():
+@pytest.mark.parametrize("frozen", [False, True])
+def test_one_pass_backward_runs_no_gemm(frozen):
     """16-bit, blocks as shipped: the forward runs the three GEMMs of every block (the
     projection and both gradients), the backward none; the recomputing op runs one forward
-    and three again per block in backward (the projection twice)."""
+    and three again per block in backward (the projection twice). A frozen weight (a LoRA
+    fine-tune's head): one GEMM fewer per block either way, and no gradient for it."""
     g = torch.Generator().manual_seed(0)
     n, d, vocab = 600, 16, 50000
     h = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
-    w = torch.randn(vocab, d, generator=g, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, requires_grad=not frozen)
     t = torch.randint(0, vocab, (n,), generator=g)
     rows, cols = loss_head.ahead_shape(n, vocab, 2)
     blocks = math.ceil(n / rows) * math.ceil(vocab / cols)
     assert (rows, blocks) == (n, 4)  # 600 x 50000 BF16 logits fit AHEAD_BYTES: one row block
     recomputed = len([c for _, cols in loss_head._blocks(n, vocab) for c in cols])
+    per_block = 2 if frozen else 3
     grads = {}
-    for ahead, forward, backward in [(True, 3 * blocks, 0), (False, recomputed, 3 * recomputed)]:
+    for ahead, forward, backward in [
+        ("h" if frozen else "hw", per_block * blocks, 0),
+        ("", recomputed, per_block * recomputed),
+    ]:
         with _gemms() as ran_forward:
             stats = HEAD(h, w, None, t, "", -100, False, False, "", ahead, 0.0)
         with _gemms() as ran_backward:
             (stats[1] - stats[0]).mean().backward()
         assert (ran_forward, ran_backward) == ([forward], [backward])
-        assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
-        grads[ahead], h.grad, w.grad = (h.grad, w.grad), None, None
+        assert h.grad.dtype == torch.bfloat16 and (w.grad is None if frozen else w.grad.dtype == torch.float32)
+        grads[bool(ahead)], h.grad, w.grad = (h.grad, w.grad), None, None
     for got, ref in zip(grads[True], grads[False]):  # the same gradients either way
-        assert cosine(got.float().flatten(), ref.float().flatten()) > 0.9999
+        if ref is not None:
+            assert cosine(got.float().flatten(), ref.float().flatten()) > 0.9999
 
 
 def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(small_ahead, caplog):
@@ -268,7 +275,7 @@ def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(smal
     loss_head._warn_recomputed.cache_clear()
     for loss_of in (lambda s: ((s[1] - s[0]) * weight).sum(), lambda s: (s[1] - s[0]).mean() + s[1].square().mean()):
         ref_grads = torch.autograd.grad(loss_of(HEAD(h, w, None, t, "", -100, True, False)), (h, w))
-        loss = loss_of(HEAD(h, w, None, t, "", -100, True, False, "", True, 0.0))
+        loss = loss_of(HEAD(h, w, None, t, "", -100, True, False, "", "hw", 0.0))
         with caplog.at_level("WARNING", logger="amp_compiler"), _gemms() as ran:
             grads = torch.autograd.grad(loss, (h, w))
         assert ran[0] > 0
@@ -285,20 +292,11 @@ def test_one_pass_rows_are_balanced_and_their_logits_bounded():
         assert rows <= max(loss_head.AHEAD_MIN_ROWS, loss_head.AHEAD_BYTES // (vocab * itemsize))
         assert rows * cols <= loss_head.AHEAD_BLOCK_ELEMENTS and cols <= vocab
     assert loss_head.ahead_shape(2048, 50257, 2)[0] == 1024
+    head = (torch.randn(4, 8), torch.randn(64, 8), None, torch.zeros(4, dtype=torch.long), "", -100, False, False)
+    with pytest.raises(ValueError, match="gradients 'hx': name 'h', 'w' or both"):
+        HEAD(*head, "", "hx", 0.0)
     with pytest.raises(ValueError, match="extras have none"):
-        HEAD(
-            torch.randn(4, 8),
-            torch.randn(64, 8),
-            None,
-            torch.zeros(4, dtype=torch.long),
-            "",
-            -100,
-            False,
-            False,
-            "entropy",
-            True,
-            0.0,
-        )
+        HEAD(*head, "entropy", "hw", 0.0)
 
 
 def _extras_reference(z, t):
@@ -770,7 +768,7 @@ def test_a_training_graph_computes_its_heads_gradients_in_forward():
         done, rec, (loss,), saved = _run(model, "fused", batches=(LONG,))
     _, _, (loss_off,), _ = _run(plain, "off", batches=(LONG,))
     (head,) = _fused(done)
-    assert head["ahead"] and head["block"] == (512, V)
+    assert head["ahead"] == "hw" and head["block"] == (512, V)
     ran = {e.name for e in prof.events()}
     assert "amp::head_stats_backward_ahead" in ran and "amp::head_stats_backward" not in ran
     (row,) = [n for n in done.nodes if n.op == "amp.head_stats.default"]
@@ -779,6 +777,25 @@ def test_a_training_graph_computes_its_heads_gradients_in_forward():
     assert loss.item() == pytest.approx(loss_off.item(), rel=2e-3)
     assert model.head.weight is model.emb.weight
     for p, q in zip(model.parameters(), plain.parameters()):
+        assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
+
+
+def test_a_frozen_head_computes_only_its_inputs_gradient_in_forward():
+    """A LoRA-style fine-tune: the head's weight frozen, the body trained. The one-pass head
+    computes h's gradient only (no GEMM for a weight gradient nobody wants), the weight gets
+    none, and the body's gradients are the head as written's."""
+    torch.manual_seed(0)
+    model = Decoder("hf")
+    model.head.requires_grad_(False)
+    plain = copy.deepcopy(model)
+    done, _, _, _ = _run(model, "fused", batches=(LONG,))
+    _run(plain, "off", batches=(LONG,))
+    (head,) = _fused(done)
+    assert head["ahead"] == "h"
+    (row,) = [n for n in done.nodes if n.op == "amp.head_stats.default"]
+    assert "0.1 MiB of FP32 gradients kept" in row.reason  # 512 tokens x 32 x 4 bytes
+    assert model.head.weight.grad is None
+    for p, q in zip(model.body.parameters(), plain.body.parameters()):
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
 
 
@@ -1036,7 +1053,7 @@ def test_auto_fuses_a_head_of_dynamic_size(loss):
     assert len(rec.dtypes_of(HEAD)) == 3
     why = "auto: fused, in one pass" if loss == "hf" else "auto: fused, the number of tokens is dynamic"
     assert any(why in n.reason for n in done.nodes)
-    assert {f["ahead"] for f in done.fused} == {loss == "hf"}
+    assert {f["ahead"] for f in done.fused} == {"hw" if loss == "hf" else ""}
 
 
 def test_device_memory_is_the_ram_or_the_containers_limit():
