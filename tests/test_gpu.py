@@ -134,3 +134,25 @@ def test_exact_loss_head_runs_split_bf16_gemms_on_cuda(monkeypatch):
     loss.backward()
     assert len(calls) == 12 and set(calls) == {(torch.bfloat16, torch.bfloat16, torch.float32)}  # one block
     assert abs(loss.item() - ref.item()) < 1e-3
+
+
+def test_one_pass_head_on_cuda_gives_the_recomputing_heads_gradients():
+    """On CUDA the one-pass head's logits are the GEMM's FP32 accumulator (a fresh tensor a
+    block): its BF16 head's loss and gradients are the recomputing head's."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(3000, 256, generator=g) / 2).bfloat16()
+    w = torch.randn(50000, 256, generator=g) / 16
+    t = torch.randint(0, 50000, (3000,), generator=g)
+    t[::7] = -100
+    results = []
+    for ahead in ("hw", ""):
+        hc, wc = h.to(CUDA).requires_grad_(), w.to(CUDA).requires_grad_()
+        picked, lse = torch.ops.amp.head_stats(hc, wc, None, t.to(CUDA), "", -100, False, False, "", ahead, 0.0)[:2]
+        valid = t.to(CUDA) != -100
+        loss = torch.where(valid, lse - picked, 0.0).sum() / valid.sum()
+        loss.backward()
+        results.append((loss.item(), hc.grad.float(), wc.grad))
+    (loss, dh, dw), (ref, ref_dh, ref_dw) = results
+    assert loss == pytest.approx(ref, rel=1e-5)
+    for got, want in ((dh, ref_dh), (dw, ref_dw)):
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999

@@ -22,6 +22,8 @@ step bench-bf16 180 "$PY" tools/bench.py --device cuda --size gpt2-small --dtype
 step bench-fp16 90 "$PY" tools/bench.py --device cuda --size gpt2-small --dtype fp16 \
     --workloads lm-sdpa --variants fp32-eager,autocast-inductor,amp-step --reps 3 --steps 5 \
     --json "$OUT/bench-fp16.json"
+step head-decoder 150 "$PY" tools/head_decoder.py --variants autocast-inductor,auto,fused,off --reps 5 \
+    --json "$OUT/head-decoder.json"
 if "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then
     step onnx-parity 60 "$PY" tools/onnx_cuda_parity.py --out "$OUT/onnx"
 else
@@ -40,7 +42,8 @@ def read(name):
         return json.load(f) if name.endswith(".json") else f.read()[-4000:]
 result = {"steps": read("steps.txt"), "gpu": read("nvidia-smi.txt"),
           "gpu_tests": read("gpu-tests.log"), "bench_bf16": read("bench-bf16.json"),
-          "bench_fp16": read("bench-fp16.json"), "onnx_parity": read("onnx-parity.log")}
+          "bench_fp16": read("bench-fp16.json"), "head_decoder": read("head-decoder.json"),
+          "onnx_parity": read("onnx-parity.log")}
 with open(os.path.join(out, "gpu-check.json"), "w") as f:
     json.dump(result, f, indent=1)
 print("wrote", os.path.join(out, "gpu-check.json"))
