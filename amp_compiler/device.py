@@ -15,6 +15,7 @@ Tests replace ``native_dtypes`` to play other devices.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -66,6 +67,14 @@ def cpu_native(onednn_bf16: bool, onednn_fp16: bool, flags: dict | None) -> tupl
     if onednn_bf16:
         return found, ("CPU with AVX-512 but no BF16 instructions (oneDNN emulates BF16 there, slower than FP32)")
     return found, "CPU without native BF16 or FP16 (oneDNN emulates them)"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies BF16 matrices in AMX tiles (6x its FP32 GEMM rate, against
+    ~2.8x for AVX512-BF16 alone)."""
+    flags = _cpu_flags()
+    return bool(flags and flags.get("amx_bf16"))
 
 
 def _cpu_flags() -> dict | None:

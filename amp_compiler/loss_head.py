@@ -36,7 +36,7 @@ import logging
 
 import torch
 
-from .device import native_dtypes
+from .device import cpu_has_amx, native_dtypes
 
 _log = logging.getLogger("amp_compiler")
 
@@ -513,6 +513,10 @@ def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> N
 AHEAD_BYTES = 64 << 20
 AHEAD_GPU_SCALE = 4
 AHEAD_MIN_ROWS = 1024
+# With AMX the GEMMs run ~6x faster and that addition weighs more: by bytes against GEMM
+# rate ~30% of the head's GEMM time per 1024-token row block (~4% on AVX512-BF16); a
+# judgement, not measured on AMX yet
+AHEAD_MIN_ROWS_AMX = 2048
 # Logits per block of the one-pass head: fewer, larger blocks than the recomputing head's, as
 # it holds them anyway (a 50k-vocabulary decoder's step on a 2-core CPU: 4M blocks 1.02x the
 # head as written, 8M 0.99x)
@@ -527,7 +531,8 @@ def ahead_shape(tokens: int, vocab: int, itemsize: int, device: str = "cpu") -> 
     the whole vocabulary fit ``AHEAD_BYTES``, cut into blocks of ``AHEAD_BLOCK_ELEMENTS``."""
     gpu = device != "cpu"
     budget = AHEAD_BYTES * (AHEAD_GPU_SCALE if gpu else 1)
-    rows = max(AHEAD_MIN_ROWS, budget // max(1, vocab * itemsize))
+    least = AHEAD_MIN_ROWS_AMX if not gpu and cpu_has_amx() else AHEAD_MIN_ROWS
+    rows = max(least, budget // max(1, vocab * itemsize))
     rows = max(1, min(rows, int(tokens), MAX_ROWS * (4 if gpu else 1)))
     rows = -(-int(tokens) // -(-int(tokens) // rows))  # as many rows in each block
     cols = max(MIN_COLS, AHEAD_BLOCK_ELEMENTS * (GPU_SCALE if gpu else 1) // rows)

@@ -299,6 +299,14 @@ def test_one_pass_rows_are_balanced_and_their_logits_bounded():
         HEAD(*head, "entropy", "hw", 0.0)
 
 
+def test_one_pass_rows_are_twice_as_many_with_amx(monkeypatch):
+    """AMX's faster GEMMs: fewer row blocks (each adds to the weight's FP32 gradient)."""
+    gpu = loss_head.ahead_shape(8192, 50257, 4, "cuda")
+    monkeypatch.setattr(loss_head, "cpu_has_amx", lambda: True)
+    assert loss_head.ahead_shape(2048, 50257, 2) == (2048, loss_head.AHEAD_BLOCK_ELEMENTS // 2048)
+    assert loss_head.ahead_shape(8192, 50257, 4, "cuda") == gpu  # a GPU is no AMX CPU
+
+
 def _extras_reference(z, t):
     """Entropy, log(sum p^2), mean logit and "the target is the first argmax" of logits ``z``."""
     logp = z.log_softmax(-1)
