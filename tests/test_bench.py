@@ -250,6 +250,27 @@ def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys
     assert "(auto: left as written: its logits are kept for" in capsys.readouterr().out
 
 
+def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
+    """--ahead-rows: 256 tokens in row blocks of 64 (the figures say so), the head's gradients
+    computed in forward; the flag's blocks are what the op ran with."""
+    import head_decoder
+
+    for name in ("AHEAD_BYTES", "AHEAD_MIN_ROWS", "AHEAD_MIN_ROWS_AMX"):
+        monkeypatch.setattr(loss_head, name, getattr(loss_head, name))  # restored after the test
+    shapes = []
+    real = loss_head.ahead_shape
+    monkeypatch.setattr(loss_head, "ahead_shape", lambda *a, **k: shapes.append(real(*a, **k)) or shapes[-1])
+    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "128", "--reps", "1", "--variants", "fused"]
+    out = tmp_path / "h.json"
+    with torch.profiler.profile() as prof:
+        assert head_decoder.main([*argv, "--ahead-rows", "64", "--json", str(out)]) == 0
+    assert any(e.name == "amp::head_stats_backward_ahead" for e in prof.events())
+    assert json.loads(out.read_text())["size"]["ahead_rows"] == 64
+    assert (64, 8192) in shapes
+    with pytest.raises(SystemExit, match="--ahead-rows: a positive number"):
+        head_decoder.main([*argv, "--ahead-rows", "0"])
+
+
 def test_native_check_script_is_valid_and_calls_existing_tools():
     """tools/native_check.sh (the native-BF16 figures in one command): valid bash, and every
     tool and option it runs exists (a renamed flag would fail only on the machine it is for)."""

@@ -5,6 +5,7 @@
     python tools/head_decoder.py --returns-logits    # the model returns its logits too, as HF's do
     python tools/head_decoder.py --json bench/head-decoder-cpu.json   # the figures, with the machine
     python tools/head_decoder.py --reuse-memory      # freed CPU memory kept for reuse (all variants)
+    python tools/head_decoder.py --batch 4 --ahead-rows 2048   # the one-pass head's row blocks, set
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from benchkit.measure import machine, reuse_memory, saved_bytes
 from benchkit.variants import SAME_ALLOCATOR
 
-from amp_compiler import AmpBackend
+from amp_compiler import AmpBackend, loss_head
 from amp_compiler.atomic import write_text
 
 VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
@@ -104,8 +105,18 @@ def main(argv=None) -> int:
     p.add_argument("--returns-logits", action="store_true", help="the model returns its logits beside the loss")
     p.add_argument("--json", help="also write the figures and the machine's facts to this file")
     p.add_argument("--reuse-memory", action="store_true", help="keep freed CPU memory for reuse in every variant")
+    p.add_argument(
+        "--ahead-rows",
+        type=int,
+        help="tokens per row block of the one-pass fused head (default: amp's choice, by bytes of logits)",
+    )
     args = p.parse_args(argv)
     reuse_memory(args.reuse_memory)
+    if args.ahead_rows is not None:
+        if args.ahead_rows < 1:
+            raise SystemExit("--ahead-rows: a positive number of tokens")
+        loss_head.AHEAD_BYTES = 0  # the rows are the floor alone
+        loss_head.AHEAD_MIN_ROWS = loss_head.AHEAD_MIN_ROWS_AMX = args.ahead_rows
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
@@ -169,6 +180,7 @@ def main(argv=None) -> int:
         print(line)
     if args.json:
         size = {"batch": batch, "seq": args.seq, "vocab": args.vocab, "d": args.d, "layers": args.layers}
+        size["ahead_rows"] = loss_head.ahead_shape(batch * args.seq, args.vocab, 2, device)[0]
         report = {"machine": machine(device, "bf16", "the head's variants in BF16"), "size": size}
         report["returns_logits"], report["variants"] = args.returns_logits, results
         write_text(args.json, json.dumps(report, indent=1) + "\n")

@@ -33,6 +33,13 @@ step head-decoder-returns-logits 600 "$PY" tools/head_decoder.py --reps 7 --retu
     --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-returns-logits.json"
 step head-decoder-reuse-memory 600 "$PY" tools/head_decoder.py --reps 7 --returns-logits --reuse-memory \
     --variants autocast-inductor,auto,fused,off --json "$OUT/head-decoder-reuse-memory.json"
+# the one-pass head's row blocks: 4096 tokens in 4, 2 and 1 of them (amp takes 2048 on AMX, 1024 elsewhere)
+step head-decoder-rows-1024 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 --reuse-memory \
+    --variants autocast-inductor,fused,off --ahead-rows 1024 --json "$OUT/head-decoder-rows-1024.json"
+step head-decoder-rows-2048 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 --reuse-memory \
+    --variants autocast-inductor,fused,off --ahead-rows 2048 --json "$OUT/head-decoder-rows-2048.json"
+step head-decoder-rows-4096 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 --reuse-memory \
+    --variants autocast-inductor,fused,off --ahead-rows 4096 --json "$OUT/head-decoder-rows-4096.json"
 step trl-sft 900 "$PY" tools/trl_bench.py
 grep -h "TRL SFT" "$OUT/trl-sft.log" | tee -a "$OUT/steps.txt"
 echo "figures in $OUT; render a table with: $PY tools/bench.py --table $OUT/bench.json"
