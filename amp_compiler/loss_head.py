@@ -401,10 +401,8 @@ def head_stats(
             z = _project(h[rows], w[cols], None if b is None else b[cols], exact, _in(buffer, rows, cols))
             stats = fold(z, stats, _in_block(safe[rows], cols), steps, with_sum, want)
         out.append(_finish(stats, want))
-    empty = h.new_empty(0, dtype=torch.float32)
-    if len(out) == 1:
-        return (*out[0], empty, empty.clone(), empty.clone())
-    return (*(torch.cat(parts) for parts in zip(*out)), empty, empty.clone(), empty.clone())
+    stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
+    return (*stats, *_grad_outputs(h, w, b, (False, False), torch.float32))
 
 
 def _fake_stats(n: int, like: torch.Tensor, extras: str):
@@ -539,6 +537,12 @@ def ahead_shape(tokens: int, vocab: int, itemsize: int, device: str = "cpu") -> 
     return rows, min(cols, int(vocab))
 
 
+def ahead_itemsize(device: torch.device, dtype: torch.dtype, exact: bool) -> int:
+    """Bytes per logit the one-pass head holds: FP32 where exact or where the GEMM writes
+    its FP32 accumulator (CUDA), else the 16-bit dtype's."""
+    return 4 if exact or _writes_fp32(device, dtype) else dtype.itemsize
+
+
 def ahead_bytes(tokens: int, vocab: int, width: int) -> int:
     """What the one-pass head keeps for backward: FP32 gradients for h (``tokens`` rows; 0
     where h needs none) and the weight (``vocab`` rows; 0 for a frozen weight)."""
@@ -566,8 +570,7 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
     wc_all = w.to(grad_dtype)  # one copy a call, not one a block
     hs = h.float() if exact else h
     allocates = (exact and _split_native(h.device)) or (not exact and _writes_fp32(h.device, h.dtype))
-    itemsize = 4 if exact or allocates else h.element_size()
-    rows, cols = ahead_shape(n, vocab, itemsize, h.device.type)
+    rows, cols = ahead_shape(n, vocab, ahead_itemsize(h.device, h.dtype, exact), h.device.type)
     z_buffer = None if allocates else torch.empty(rows * vocab, dtype=grad_dtype, device=h.device)
     dl_buffer = torch.empty(rows * cols, dtype=grad_dtype, device=h.device)
     dh, dw, db = _grad_outputs(h, w, b, wanted, torch.float32)  # the first row block writes dw
@@ -697,6 +700,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
     if ctx.ahead:
         h, w, b, target, lse, dh, dw, db = ctx.saved_tensors
         grads = _row_grads(lse, lse.new_empty(0), g_picked, g_lse, g_total, None)[:3]
@@ -706,12 +710,10 @@ def _backward(ctx, g_picked, g_lse, g_total, g_entropy, *_):
     else:
         h, w, b, target, lse, entropy = ctx.saved_tensors
         *grads, g_entropy, entropy = _row_grads(lse, entropy, g_picked, g_lse, g_total, g_entropy)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         wanted = "h" * need_h + "w" * (need_w or need_b)
         dh, dw, db = torch.ops.amp.head_stats_backward(
             *grads, g_entropy, h, w, b if ctx.has_bias else None, target, lse, entropy, *ctx.args, wanted or "hw"
         )
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
     return dh if need_h else None, dw if need_w else None, db if need_b else None, *(None,) * 8
 
 

@@ -32,6 +32,7 @@ from amp_compiler.loss_head import (
     MIN_VOCAB,
     NO_IGNORE,
     ahead_bytes,
+    ahead_itemsize,
     ahead_shape,
     block_shape,
     format_chain,
@@ -365,8 +366,9 @@ class _Fusion:
                 args = [x, w, b, target, format_chain(chain), ignore, exact, with_sum, extras]
                 if ahead := self.ahead:
                     args += [self.grads, float(smoothing)]
-                    itemsize = 4 if exact else low.itemsize
-                    rows, cols = ahead_shape(tokens or MAX_ROWS, vocab, itemsize, _val(h).device.type)
+                    device = _val(h).device
+                    itemsize = ahead_itemsize(device, low, exact)
+                    rows, cols = ahead_shape(tokens or MAX_ROWS, vocab, itemsize, device.type)
                     grads = (
                         f"blocks of up to {rows} tokens x {cols} vocabulary entries, its gradients computed in forward "
                         "while each block's logits are at hand (no projection again in backward, which scales "
