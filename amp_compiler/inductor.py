@@ -70,6 +70,8 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
         patches["joint_custom_pre_pass"] = InductorPasses(
             InductorPass("amp_compiler.inductor_passes.saved_copies", "reuse_saved_copies"),
             InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks"),
+            # the loss head's ops run once, in forward, under any memory budget
+            InductorPass("amp_compiler.inductor_passes.keep_head_stats", "keep_head_stats"),
         )
         if memory_budget is None:
             # the default budget recomputes activations, not the parameters' 16-bit copies

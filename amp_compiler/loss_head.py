@@ -25,16 +25,20 @@ rounded to 16 bit as the unfused 16-bit head rounds it, except on CUDA where the
 writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w`` is the
 FP32 master weight, cast a block at a time: no 16-bit copy of it is kept, and its gradient
 is returned in FP32. ``exact``: the projection and its gradients to FP32's accuracy, as split
-BF16 products (three BF16 GEMMs writing FP32) where the GEMM writes FP32, else in FP32.
+BF16 products (three BF16 GEMMs accumulating and writing FP32) where the machine has such a
+GEMM (CUDA's ``mm`` with ``out_dtype``; on CPU oneDNN's FP32 GEMM with its products in BF16,
+which AMX runs), else in FP32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .device import cpu_has_amx, native_dtypes
 
@@ -137,10 +141,46 @@ def _writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _split_native(device: torch.device) -> bool:
-    """Whether the exact head's FP32 products run as split BF16 ones on ``device``: where BF16
-    GEMMs are native and write FP32 (CUDA sm_80+; on CPU a 16-bit product rounded to 16 bit
-    would defeat the split)."""
+    """Whether the exact head's FP32 products run as split BF16 ones on ``device`` through
+    GEMMs of BF16 matrices that write FP32 (CUDA sm_80+; on CPU a 16-bit GEMM rounds its
+    output to 16 bit, which would defeat the split)."""
     return "bf16" in native_dtypes(device)[0] and _writes_fp32(device, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _bf16_products():
+    """oneDNN runs the FP32 GEMMs inside with their products in BF16 (``fpmath_mode`` bf16),
+    accumulating and writing FP32. The setting is process-wide: an FP32 GEMM another thread
+    runs meanwhile takes it too."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+_BF16_PRODUCTS: dict[str, bool] = {}
+
+
+def _bf16_products_native(device: torch.device) -> bool:
+    """Whether ``_bf16_products`` takes effect on this CPU: oneDNN implements it with AMX (on
+    an AVX512-BF16 CPU without AMX it computes in FP32, as torch 2.13's build does here).
+    Probed once: ``1 + 2^-10`` is no BF16, so a BF16 product of it gives 32, an FP32 one 32.03."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if "cpu" not in _BF16_PRODUCTS:
+        ok = "bf16" in native_dtypes(device)[0]
+        if ok:
+            try:  # on real tensors, even where a compile's fake mode is active
+                with unset_fake_temporarily(), _bf16_products():
+                    a = torch.full((32, 32), 1 + 2**-10)
+                    ok = torch.mm(a, torch.ones(32, 32))[0, 0].item() == 32.0
+            except (RuntimeError, AttributeError):
+                ok = False
+        _BF16_PRODUCTS["cpu"] = ok
+    return _BF16_PRODUCTS["cpu"]
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,16 +189,32 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.float()).to(torch.bfloat16)
 
 
+def exact_products(device: torch.device) -> str:
+    """How the exact head's GEMMs run on ``device``: "split" (three BF16 GEMMs writing FP32),
+    "split-onednn" (the same as FP32 GEMMs whose products oneDNN runs in BF16) or "fp32"."""
+    if _split_native(device):
+        return "split"
+    return "split-onednn" if _bf16_products_native(device) else "fp32"
+
+
 def exact_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` to FP32's accuracy for the loss head. Where BF16 GEMMs write FP32 it is three
     of them over the split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the
     split's remainders are ~2^-16 of each term: a relative error near 1e-5, far under the
-    head's 1e-3 nats); elsewhere one FP32 GEMM (into ``out`` where given)."""
+    head's 1e-3 nats). On a CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three
+    products as FP32 GEMMs of the halves (each exactly a BF16 value: the products are those of
+    BF16 GEMMs), into ``out`` where given; elsewhere one FP32 GEMM."""
     a, b = a.float(), b.float()
-    if not _split_native(a.device):
+    kind = exact_products(a.device)
+    if kind == "fp32":
         return torch.mm(a, b, out=out)
     (ah, al), (bh, bl) = _halves(a), _halves(b)
-    return _mm32(ah, bh).add_(_mm32(ah, bl)).add_(_mm32(al, bh))
+    if kind == "split":
+        return _mm32(ah, bh).add_(_mm32(ah, bl)).add_(_mm32(al, bh))
+    ah, al, bh, bl = ah.float(), al.float(), bh.float(), bl.float()
+    with _bf16_products():
+        z = torch.mm(ah, bh, out=out)
+        return z.addmm_(ah, bl).addmm_(al, bh)
 
 
 def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool, out=None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from amp_compiler.loss_head import (
     ahead_itemsize,
     ahead_shape,
     block_shape,
+    exact_products,
     format_chain,
     parse_chain,
 )
@@ -56,6 +57,15 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 ROW_OPS = RESHAPES | {aten.flatten.using_ints, aten.slice.Tensor, aten.select.int}
 SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
+# How the exact head projects, by ``loss_head.exact_products``
+_EXACT_HOW = {
+    "fp32": "FP32 projection (loss_head='exact')",
+    "split": "projection to FP32's accuracy as split BF16 products, three BF16 GEMMs writing FP32 (loss_head='exact')",
+    "split-onednn": (
+        "projection to FP32's accuracy as split BF16 products, three FP32 GEMMs of BF16 halves whose products "
+        "oneDNN runs in BF16 (loss_head='exact')"
+    ),
+}
 # loss_head="auto" fuses where the unfused logits would take 1/AUTO_SHARE of the memory or more
 AUTO_SHARE = 8
 
@@ -359,7 +369,7 @@ class _Fusion:
                 )
             else:
                 how = (
-                    "FP32 projection (loss_head='exact')"
+                    _EXACT_HOW[exact_products(_val(h).device)]
                     if exact
                     else f"projection in {dtype_name(low)} (FP32 accumulation)"
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -186,6 +187,9 @@ def test_roofline_divides_each_dtypes_gemms_by_that_dtypes_peak():
     assert bench.gemm_flops_by_dtype("fp32-eager", "lm-head-32k", size, flops, "bf16") == {"fp32": flops}
     assert bench.gemm_flops_by_dtype("amp-step", "lm-head-32k", size, flops, "bf16") == {"bf16": flops}
     assert bench.roofline("amp-step", "lm-sdpa", size, flops, 1.0, "bf16", {"fp32": 0.4}) is None
+    # split products (CUDA, or oneDNN's BF16 products on AMX): three BF16 GEMMs for each FP32 one
+    split = bench.gemm_flops_by_dtype("amp-step-exact", "lm-head-32k", size, flops, "bf16", "split-onednn")
+    assert split == {"bf16": 5 * head}
 
 
 def test_head_block_tool_times_both_ways_of_the_same_math(capsys):
@@ -269,6 +273,34 @@ def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
     assert (64, 8192) in shapes
     with pytest.raises(SystemExit, match="--ahead-rows: a positive number"):
         head_decoder.main([*argv, "--ahead-rows", "0"])
+
+
+def test_head_decoder_exact_fp32_is_the_exact_head_with_unsplit_gemms(tmp_path, monkeypatch):
+    """Where the exact head splits its products (played here: oneDNN's BF16 products on),
+    ``exact`` runs its GEMMs split and ``exact-fp32`` none (by what executed: the GEMMs
+    under oneDNN's BF16 mode, three to a product); the JSON names how this machine runs the
+    exact head, and the probe's answer is back after the variant."""
+    import head_decoder
+
+    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    split, mode = [], loss_head._bf16_products
+
+    @contextlib.contextmanager
+    def counted():
+        with mode(), torch.profiler.profile() as prof:
+            yield
+        split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
+
+    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
+    out = tmp_path / "h.json"
+    assert head_decoder.main([*argv, "--variants", "exact", "--json", str(out)]) == 0
+    assert split and set(split) == {3}
+    split.clear()
+    assert head_decoder.main([*argv, "--variants", "exact-fp32"]) == 0
+    assert not split
+    assert json.loads(out.read_text())["machine"]["exact_products"] == "split-onednn"
+    assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
 
 
 def test_native_check_script_is_valid_and_calls_existing_tools():

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import MATMULS, OpRecorder, cosine, recording_backend
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_compiler import AmpBackend, loss_head, make_train_step
 from amp_compiler.loss_head import MIN_VOCAB, NO_IGNORE, block_shape, format_chain, head_stats, logits_stats
@@ -658,10 +660,9 @@ def test_split_product_is_three_bf16_gemms_to_fp32_accuracy(split_gemm):
     assert rel < 3e-5 and one_bf16 > 30 * rel  # ~16 mantissa bits where one BF16 product has 8
 
 
-def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
-    """loss_head="exact" where the GEMM writes FP32: every projection and gradient GEMM of the
-    op ran as three BF16 GEMMs (3 per block forward, 9 backward), the loss within 1e-3 nats
-    and the gradients within 1e-4 of FP64's, at trained-size logits."""
+def _trained_size_head():
+    """FP64 h, w and targets of a small head at trained-size logits, with the cross-entropy
+    and its gradients for h and w by FP64 autograd."""
     g = torch.Generator().manual_seed(0)
     n, d, vocab = 37, 64, 53
     h = torch.randn(n, d, generator=g, dtype=torch.float64) / 2
@@ -669,7 +670,15 @@ def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
     t = torch.randint(0, vocab, (n,), generator=g)
     h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref = _reference(h64, w64, None, t, [], smoothing=0.0)
-    ref_grads = torch.autograd.grad(ref, [h64, w64])
+    return h, w, t, ref, torch.autograd.grad(ref, [h64, w64])
+
+
+def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
+    """loss_head="exact" where the GEMM writes FP32: every projection and gradient GEMM of the
+    op ran as three BF16 GEMMs (3 per block forward, 9 backward), the loss within 1e-3 nats
+    and the gradients within 1e-4 of FP64's, at trained-size logits."""
+    h, w, t, ref, ref_grads = _trained_size_head()
+    n, vocab = h.shape[0], w.shape[0]
     h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
     loss = _from_stats(HEAD(h32, w32, None, t, "", -100, True, False), t, vocab, smoothing=0.0)
     blocks = sum(len(cols) for _, cols in loss_head._blocks(n, vocab))
@@ -681,17 +690,128 @@ def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
-def test_exact_head_on_cpu_is_fp32_gemms():
-    """On CPU no BF16 GEMM writes FP32 (torch has no CPU kernel for mm with out_dtype): the
-    exact projection is one FP32 GEMM."""
-    assert not loss_head._split_native(torch.device("cpu"))
+@pytest.mark.parametrize("ahead", ["", "hw"])
+def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch, capfd, small_blocks, small_ahead):
+    """The exact op where oneDNN runs FP32 GEMMs' products in BF16 (AMX), recomputing and one
+    pass: three GEMMs for each FP32 one the op runs elsewhere (by the profiler), every one
+    handed to oneDNN in that mode (oneDNN's log of what it executed); the loss within 1e-3
+    nats and the gradients within 1e-4 of FP64's."""
+    h, w, t, ref, ref_grads = _trained_size_head()
+    vocab = w.shape[0]
+
+    def run():
+        h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+        capfd.readouterr()
+        with (
+            torch.profiler.profile(record_shapes=True) as prof,
+            torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
+        ):
+            loss = _from_stats(HEAD(h32, w32, None, t, "", -100, True, False, "", ahead), t, vocab)
+            grads = torch.autograd.grad(loss, [h32, w32])
+        log = [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
+        mms = [
+            [shape for shape in e.input_shapes if len(shape) == 2][-2:]
+            for e in prof.events()
+            if e.name in ("aten::mm", "aten::addmm_")
+        ]
+        # torch hands oneDNN at least the GEMMs above 16^3 multiply-adds; small ones may run
+        # FP32 in BLAS (exact either way)
+        large = sum(a[0] * a[1] * b[1] > 16**3 for a, b in mms)
+        return loss, grads, len(mms), large, log
+
+    loss_head.exact_products(torch.device("cpu"))
+    _, _, fp32_gemms, _, _ = run()
+    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    loss, grads, gemms, large, log = run()
+    assert fp32_gemms and gemms == 3 * fp32_gemms
+    assert large and large <= len(log) <= gemms and all("attr-fpmath:bf16" in ln for ln in log)
+    assert abs(loss.item() - ref.item()) < 1e-3
+    for got, want in zip(grads, ref_grads):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+class _GemmSpy(TorchDispatchMode):
+    """Records each GEMM's operands and the oneDNN FP32 precision it ran under."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            mats = args[-2:] if func.overloadpacket is not torch.ops.aten.mm else args[:2]
+            self.gemms.append((func.overloadpacket, mats[0].clone(), mats[1].clone(), _precision()))
+        return func(*args, **(kwargs or {}))
+
+
+def _precision():
+    return torch.backends.mkldnn.matmul.fp32_precision
+
+
+def _bf16_valued(x):
+    return x.dtype == torch.float32 and torch.equal(x, x.bfloat16().float())
+
+
+def test_exact_head_on_cpu_is_one_fp32_gemm_or_three_with_bf16_products():
+    """On a CPU whose oneDNN runs FP32 GEMMs' products in BF16 (AMX) the exact product is three
+    FP32 GEMMs of BF16-valued halves under that mode; elsewhere (an AVX512-BF16 CPU without AMX,
+    torch 2.13) one plain FP32 GEMM. No CPU GEMM of BF16 matrices writes FP32."""
+    cpu = torch.device("cpu")
+    assert not loss_head._split_native(cpu)
     one = torch.ones(2, 2, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, NotImplementedError)):
         torch.mm(one, one, out_dtype=torch.float32)
-    rec = OpRecorder()
-    with rec:
-        loss_head.exact_mm(torch.randn(4, 8), torch.randn(8, 3))
-    assert [d[:2] for d in rec.dtypes_of(torch.ops.aten.mm)] == [[torch.float32, torch.float32]]
+    kind, before = loss_head.exact_products(cpu), _precision()  # probed before the spy counts
+    with _GemmSpy() as spy:
+        loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
+    assert _precision() == before
+    if kind == "fp32":
+        ((op, a, b, precision),) = spy.gemms
+        assert op is torch.ops.aten.mm and a.dtype == b.dtype == torch.float32 and precision == before
+    else:
+        assert len(spy.gemms) == 3
+        assert all(_bf16_valued(a) and _bf16_valued(b) and p == "bf16" for _, a, b, p in spy.gemms)
+
+
+def test_the_probe_of_bf16_products_says_what_the_gemm_does(monkeypatch):
+    """``_bf16_products_native`` is True exactly where a GEMM under ``_bf16_products`` rounds
+    its operands to BF16: checked on matrices other than the probe's, on this machine, and
+    probed alike where a compile's fake mode is active."""
+    monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
+    with FakeTensorMode():
+        probed_under_fake = loss_head._bf16_products_native(torch.device("cpu"))
+    monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(96, 200, generator=g), torch.randn(200, 80, generator=g)
+    with loss_head._bf16_products():
+        got = torch.mm(a, b).double()
+    as_bf16 = a.bfloat16().double() @ b.bfloat16().double()
+    as_fp32 = a.double() @ b.double()
+    rounded = (got - as_bf16).abs().max() < (got - as_fp32).abs().max()
+    assert rounded == loss_head._bf16_products_native(torch.device("cpu")) == probed_under_fake
+
+
+def test_split_with_bf16_products_is_exact_and_reaches_onednn_with_that_mode(monkeypatch, capfd):
+    """The AMX path on any CPU: three GEMMs (one mm, two addmm into the same output) of
+    BF16-valued FP32 halves, to ~16 mantissa bits, each handed to oneDNN with its FP32 math in
+    BF16 (oneDNN's own log of what it executed); the setting restored after."""
+    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g) * 3, torch.randn(256, 96, generator=g)
+    out = torch.empty(64, 96)
+    before = _precision()
+    capfd.readouterr()
+    with _GemmSpy() as spy, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        got = loss_head.exact_mm(a, b, out)
+    log = [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
+    assert got.data_ptr() == out.data_ptr() and _precision() == before
+    assert [op for op, *_ in spy.gemms] == [torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm_]
+    assert all(_bf16_valued(x) and _bf16_valued(y) and p == "bf16" for _, x, y, p in spy.gemms)
+    assert len(log) == 3 and all("attr-fpmath:bf16" in ln for ln in log)
+    want = a.double() @ b.double()
+    rel = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert rel < 3e-5
 
 
 @pytest.mark.parametrize(
@@ -786,6 +906,35 @@ def test_a_training_graph_computes_its_heads_gradients_in_forward():
     assert model.head.weight is model.emb.weight
     for p, q in zip(model.parameters(), plain.parameters()):
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_inductors_partitioner_keeps_the_one_pass_head_in_forward(kept, monkeypatch):
+    """Under amp's default memory budget (0.8) Inductor's partitioner recomputed ops outside its
+    allowlist in backward where that saved bytes: for a small one-pass head (8192 x 32, 128
+    tokens) the whole head again, three GEMMs a block where backward needs none. The joint
+    pass marks the op MUST_SAVE: backward runs no head forward (by what executed); without the
+    pass (``kept=False``, showing the test can fail) it does."""
+    from torch._inductor.utils import fresh_cache
+
+    import amp_compiler.inductor_passes.keep_head_stats as keep
+
+    if not kept:
+        monkeypatch.setattr(keep, "keep_head_stats", lambda graph: 0)
+    calls, ahead = [], loss_head.ahead_grads
+    monkeypatch.setattr(loss_head, "ahead_grads", lambda *a, **k: calls.append(1) or ahead(*a, **k))
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = torch.compile(Decoder("hf", tied=True), backend=AmpBackend(loss_head="fused"))
+    with fresh_cache():  # the pass's source keys the cache: a patched pass needs a fresh one
+        for _ in range(2):
+            loss = model(*BATCH_64)
+            calls.clear()
+            loss.backward()
+    assert len(calls) == (0 if kept else 1)
+
+
+BATCH_64 = _batch(seq=64)
 
 
 def test_a_frozen_head_computes_only_its_inputs_gradient_in_forward():

@@ -6,6 +6,7 @@
     python tools/head_decoder.py --json bench/head-decoder-cpu.json   # the figures, with the machine
     python tools/head_decoder.py --reuse-memory      # freed CPU memory kept for reuse (all variants)
     python tools/head_decoder.py --batch 4 --ahead-rows 2048   # the one-pass head's row blocks, set
+    python tools/head_decoder.py --variants autocast-inductor,exact,exact-fp32   # split exact vs FP32
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -13,13 +14,16 @@ of FP32 logits: logits spread ~16, as at step 0 of a model trained from scratch.
 interleaved in one process from the same weights, each forward + backward + AdamW: Inductor
 + autocast BF16, and ``torch.compile(backend=AmpBackend(loss_head=...))`` with the head
 as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``, unfused
-(``off``) and ``exact``. Prints median step times, the ratio to
+(``off``) and ``exact``; ``exact-fp32`` (not in the default list) is ``exact`` with its GEMMs in
+FP32 where the machine would split them (``machine.exact_products`` in the JSON: on a CPU
+with AMX, oneDNN's BF16 products). Prints median step times, the ratio to
 Inductor + autocast, the bytes autograd saves for backward, and on CUDA each step's peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,6 +39,18 @@ from amp_compiler import AmpBackend, loss_head
 from amp_compiler.atomic import write_text
 
 VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
+NAMED = ("exact-fp32",)  # only by --variants
+
+
+@contextlib.contextmanager
+def _exact_in_fp32():
+    """The exact head's GEMMs as one FP32 GEMM each, whatever ``exact_products`` says here."""
+    probe = loss_head.exact_products
+    loss_head.exact_products = lambda device: "fp32"
+    try:
+        yield
+    finally:
+        loss_head.exact_products = probe
 
 
 class Decoder(nn.Module):
@@ -65,20 +81,27 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
             with torch.autocast(device, dtype=torch.bfloat16):
                 return _loss(compiled(ids, labels))
     else:
-        backend = AmpBackend(loss_head=kind, **SAME_ALLOCATOR)
+        backend = AmpBackend(loss_head="exact" if kind == "exact-fp32" else kind, **SAME_ALLOCATOR)
         compiled = backend.compile(model)
 
         def loss():
             return _loss(compiled(ids, labels))
 
+    scope = _exact_in_fp32 if kind == "exact-fp32" else contextlib.nullcontext
+
     def step():
-        value = loss()
-        value.backward()
+        with scope():
+            value = loss()
+            value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return value
 
-    return step, backend, loss
+    def forward():
+        with scope():
+            return loss()
+
+    return step, backend, forward
 
 
 def _loss(out):
@@ -118,8 +141,8 @@ def main(argv=None) -> int:
         loss_head.AHEAD_BYTES = 0  # the rows are the floor alone
         loss_head.AHEAD_MIN_ROWS = loss_head.AHEAD_MIN_ROWS_AMX = args.ahead_rows
     kinds = [k for k in args.variants.split(",") if k]
-    if bad := [k for k in kinds if k not in VARIANTS]:
-        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+    if bad := [k for k in kinds if k not in VARIANTS + NAMED]:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS + NAMED)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.batch or (8 if device == "cuda" else 2)
     torch.manual_seed(0)
@@ -157,7 +180,8 @@ def main(argv=None) -> int:
             times[k].append(time.perf_counter() - t)
     ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}")
+    exact = loss_head.exact_products(torch.device(device))
+    print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}, exact: {exact}")
     results = {}
     for k in kinds:
         ms = statistics.median(times[k]) * 1e3

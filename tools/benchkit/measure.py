@@ -19,6 +19,7 @@ from torch._inductor import metrics as inductor_metrics
 from amp_compiler.cpu_memory import applied as cpu_memory_applied
 from amp_compiler.cpu_memory import reuse_freed_memory
 from amp_compiler.device import native_dtypes
+from amp_compiler.loss_head import exact_products
 
 from .variants import LOSS_HEAD, CastCounter, Variant, make_variant
 from .workloads import HEAD_WORKLOADS, SIZES, build
@@ -202,24 +203,30 @@ def warm_up(workload, dtype, device, variants) -> None:
                 v.step(x, y)
 
 
-def gemm_flops_by_dtype(name: str, workload: str, size: dict, flops: float, dtype: str) -> dict[str, float]:
+def gemm_flops_by_dtype(
+    name: str, workload: str, size: dict, flops: float, dtype: str, exact: str = "fp32"
+) -> dict[str, float]:
     """A step's GEMM FLOPs by the dtype they run in: FP32 variants all FP32; the exact loss
     head's projection (6 x tokens x d x vocabulary, forward and backward) FP32 beside a
-    16-bit body; every other variant all in ``dtype``."""
+    16-bit body, or three times those FLOPs in BF16 where its products are split
+    (``exact``: ``loss_head.exact_products``); every other variant all in ``dtype``."""
     if name.startswith("fp32"):
         return {"fp32": flops}
     if LOSS_HEAD.get(name) == "exact" and workload.startswith("lm"):
         v = HEAD_WORKLOADS.get(workload, size["vocab"])
         head = 6 * size["batch"] * size["seq"] * size["d"] * v
-        return {"fp32": head, dtype: flops - head}
+        parts = {dtype: flops - head}
+        low, head_flops = ("fp32", head) if exact == "fp32" else ("bf16", 3 * head)
+        parts[low] = parts.get(low, 0) + head_flops
+        return parts
     return {dtype: flops}
 
 
-def roofline(name, workload, size, flops, step_ms, dtype, peak_tflops) -> float | None:
+def roofline(name, workload, size, flops, step_ms, dtype, peak_tflops, exact: str = "fp32") -> float | None:
     """The step's ideal time (each dtype's GEMM FLOPs at that dtype's measured peak) over its
     measured time: a fraction of what the GEMMs alone would allow, never above 1 by
     dividing FP32 work by a 16-bit peak."""
-    parts = gemm_flops_by_dtype(name, workload, size, flops, dtype)
+    parts = gemm_flops_by_dtype(name, workload, size, flops, dtype, exact)
     if any(not peak_tflops.get(d) for d in parts):
         return None
     ideal_s = sum(f / (peak_tflops[d] * 1e12) for d, f in parts.items())
@@ -279,7 +286,8 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
             r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
         if flops:
             r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
-            r["roofline"] = roofline(v.name, workload, size, flops, r["step_ms"], dtype, peak_tflops or {})
+            exact = exact_products(torch.device(device))
+            r["roofline"] = roofline(v.name, workload, size, flops, r["step_ms"], dtype, peak_tflops or {}, exact)
         if flops and device == "cuda":
             peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
             r["mfu"] = r["tflops"] / peak if peak else None
@@ -327,6 +335,7 @@ def machine(device: str, dtype: str, reason: str) -> dict:
         "dtype_reason": reason,
         "command": " ".join(["python"] + sys.argv),
         "cpu_memory": _allocator(),
+        "exact_products": exact_products(torch.device(device)),
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
