@@ -195,6 +195,7 @@ class AmpCallback(TrainerCallback):
             )
 
         def planned(dataset, name, batch_size):
+            plan_trl_head()  # as in training: the precomputed log-probs are TRL's head's under the plan too
             reference = trainer.ref_model or trainer.model
             self._plan_forward(reference, "model" if reference is trainer.model else "ref_model")
             if not str(trainer._precompute_model_hash).endswith(f"-amp-{self.dtype}"):
