@@ -197,21 +197,37 @@ def exact_products(device: torch.device) -> str:
     return "split-onednn" if _bf16_products_native(device) else "fp32"
 
 
-def exact_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` to FP32's accuracy for the loss head. Where BF16 GEMMs write FP32 it is three
-    of them over the split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the
-    split's remainders are ~2^-16 of each term: a relative error near 1e-5, far under the
-    head's 1e-3 nats). On a CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three
-    products as FP32 GEMMs of the halves (each exactly a BF16 value: the products are those of
-    BF16 GEMMs), into ``out`` where given; elsewhere one FP32 GEMM."""
-    a, b = a.float(), b.float()
-    kind = exact_products(a.device)
+class _Split(tuple):
+    """An operand of the split product, ``(hi, lo)`` as its GEMMs take them: BF16 ("split"),
+    or BF16 values held in FP32 ("split-onednn"). Split once, it serves several products."""
+
+    def t(self) -> _Split:
+        return _Split(part.t() for part in self)
+
+
+def split_operand(x: torch.Tensor, kind: str) -> torch.Tensor | _Split:
+    """``x`` ready for ``exact_mm`` under ``kind`` (``exact_products``): FP32, or its halves."""
+    if kind == "fp32":
+        return x.float()
+    hi, lo = _halves(x.float())
+    return _Split((hi, lo) if kind == "split" else (hi.float(), lo.float()))
+
+
+def exact_mm(a, b, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` to FP32's accuracy for the loss head (``a``, ``b``: tensors, or operands
+    ``split_operand`` already split). Where BF16 GEMMs write FP32 it is three of them over the
+    split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the split's remainders
+    are ~2^-16 of each term: a relative error near 1e-5, far under the head's 1e-3 nats). On a
+    CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three products as FP32 GEMMs
+    of the halves (each exactly a BF16 value: the products are those of BF16 GEMMs), into
+    ``out`` where given; elsewhere one FP32 GEMM."""
+    kind = exact_products(a[0].device if isinstance(a, _Split) else a.device)
+    a, b = (x if isinstance(x, _Split) else split_operand(x, kind) for x in (a, b))
     if kind == "fp32":
         return torch.mm(a, b, out=out)
-    (ah, al), (bh, bl) = _halves(a), _halves(b)
+    (ah, al), (bh, bl) = a, b
     if kind == "split":
         return _mm32(ah, bh).add_(_mm32(ah, bl)).add_(_mm32(al, bh))
-    ah, al, bh, bl = ah.float(), al.float(), bh.float(), bl.float()
     with _bf16_products():
         z = torch.mm(ah, bh, out=out)
         return z.addmm_(ah, bl).addmm_(al, bh)
@@ -549,6 +565,9 @@ def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> N
     if db.numel():
         db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
     mm = exact_mm if exact else torch.mm
+    if exact:  # each operand split once for both of its products
+        kind = exact_products(dl.device)
+        dl, hc, wc = (split_operand(x, kind) for x in (dl, hc, wc))
     if dh_rows.numel():
         dh_rows.add_(mm(dl, wc))
     if not dw.numel():
