@@ -242,11 +242,11 @@ class Update:
         return out
 
 
-def one_update(build, dtype: str = "bf16") -> Update:
+def one_update(build, dtype: str = "bf16", **options) -> Update:
     """``build() -> (model, inputs)``: one SGD-with-momentum step clipped at norm 1.0, FP32 eager
-    against ``make_train_step`` (Inductor, the fused update); compares the parameter updates
-    (SGD's update is the clipped gradient, so rounding shows as it is; Adam's first step
-    would be its sign)."""
+    against ``make_train_step`` (Inductor, the fused update; ``options`` its own); compares the
+    parameter updates (SGD's update is the clipped gradient, so rounding shows as it is; Adam's
+    first step would be its sign)."""
     from amp_compiler import make_train_step
 
     torch.manual_seed(0)
@@ -265,7 +265,7 @@ def one_update(build, dtype: str = "bf16") -> Update:
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     opt.step()
     torch._dynamo.reset()
-    step = make_train_step(model, sgd(model), _loss, dtype=dtype, max_grad_norm=1.0)
+    step = make_train_step(model, sgd(model), _loss, dtype=dtype, max_grad_norm=1.0, **options)
     torch.manual_seed(1)
     result = step(inputs)
 

@@ -14,6 +14,8 @@ pytest.importorskip("transformers")
 from differential import one_step  # noqa: E402
 from zoo import more, zoo  # noqa: E402
 
+from amp_compiler.coverage import UncompiledModelError
+
 ZOO = zoo()
 STEP_ZOO = {**ZOO, **more()}  # the training-step checks run on both sets
 # Mamba (27 s on 2 cores) runs with -m slow; its vmap region has its own test above
@@ -116,8 +118,22 @@ def test_zoo_train_step_updates_the_parameters_as_fp32_does(name):
 
     if name in INDUCTOR_CRASHES:
         pytest.skip(INDUCTOR_CRASHES[name])
-    update = one_update(STEP_ZOO[name])
+    options = {}
+    if name in GRAPH_BREAKS:
+        why, share = GRAPH_BREAKS[name]
+        with pytest.raises(UncompiledModelError, match=why):
+            one_update(STEP_ZOO[name])
+        options["max_uncompiled_share"] = share  # trained partly in FP32, knowingly
+    update = one_update(STEP_ZOO[name], **options)
     assert update.problems() == [], (name, update.cos, update.problems())
+
+
+# Models whose forward Dynamo breaks by design: make_train_step refuses them (the coverage
+# contract) naming the break; (what it names, a share that admits them)
+GRAPH_BREAKS = {
+    # block-sparse attention draws its random blocks with numpy inside forward
+    "bigbird": ("RandomState.permutation", 0.3),
+}
 
 
 def test_update_check_names_dropped_and_extra_updates():
