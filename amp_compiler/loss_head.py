@@ -26,8 +26,8 @@ writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w``
 FP32 master weight, cast a block at a time: no 16-bit copy of it is kept, and its gradient
 is returned in FP32. ``exact``: the projection and its gradients to FP32's accuracy, as split
 BF16 products (three BF16 GEMMs accumulating and writing FP32) where the machine has such a
-GEMM (CUDA's ``mm`` with ``out_dtype``; on CPU oneDNN's FP32 GEMM with its products in BF16,
-which AMX runs), else in FP32.
+GEMM (CUDA's ``mm`` with ``out_dtype``; on CPU, where asked, ``SPLIT_ONEDNN``, oneDNN's FP32
+GEMM with its products in BF16, which AMX runs), else in FP32.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _bf16_products():
 _BF16_PRODUCTS: dict[str, bool] = {}
 
 
-def _bf16_products_native(device: torch.device) -> bool:
+def bf16_products_native(device: torch.device) -> bool:
     """Whether ``_bf16_products`` takes effect on this CPU: oneDNN implements it with AMX (on
     an AVX512-BF16 CPU without AMX it computes in FP32, as torch 2.13's build does here).
     Probed once: ``1 + 2^-10`` is no BF16, so a BF16 product of it gives 32, an FP32 one 32.03."""
@@ -189,12 +189,20 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.float()).to(torch.bfloat16)
 
 
+# The exact head's split through oneDNN's BF16 products (AMX) is off until measured there: its
+# operands' halves are extra passes over memory, and splitting one 2048 x 4096 FP32 gradient
+# block took 47-71 ms on a 2-core CPU, more than an FP32 GEMM of it at width 256 (27 ms),
+# against BF16 GEMMs ~6x faster than FP32 on AMX (tools/head_decoder.py variant exact-split)
+SPLIT_ONEDNN = False
+
+
 def exact_products(device: torch.device) -> str:
     """How the exact head's GEMMs run on ``device``: "split" (three BF16 GEMMs writing FP32),
-    "split-onednn" (the same as FP32 GEMMs whose products oneDNN runs in BF16) or "fp32"."""
+    "split-onednn" (the same as FP32 GEMMs whose products oneDNN runs in BF16: where
+    ``SPLIT_ONEDNN`` asks for it and oneDNN honours it) or "fp32"."""
     if _split_native(device):
         return "split"
-    return "split-onednn" if _bf16_products_native(device) else "fp32"
+    return "split-onednn" if SPLIT_ONEDNN and bf16_products_native(device) else "fp32"
 
 
 class _Split(tuple):

@@ -275,14 +275,19 @@ def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
         head_decoder.main([*argv, "--ahead-rows", "0"])
 
 
-def test_head_decoder_exact_fp32_is_the_exact_head_with_unsplit_gemms(tmp_path, monkeypatch):
-    """Where the exact head splits its products (played here: oneDNN's BF16 products on),
-    ``exact`` runs its GEMMs split and ``exact-fp32`` none (by what executed: the GEMMs
-    under oneDNN's BF16 mode, three to a product); the JSON names how this machine runs the
-    exact head, and the probe's answer is back after the variant."""
+def test_head_decoder_exact_split_runs_the_exact_head_split(tmp_path, monkeypatch, capsys):
+    """``exact-split`` runs the exact head's GEMMs split through oneDNN's BF16 products (played
+    here: the mode honoured), three to a product under that mode, and ``exact`` none (by what
+    executed); the JSON says whether this machine honours the mode; the switch is back off
+    after the variant. Where the mode is not honoured the variant is left out, saying why."""
     import head_decoder
 
-    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
+    assert head_decoder.main([*argv, "--variants", "exact,exact-split"]) == 0
+    printed = capsys.readouterr().out
+    assert "exact-split left out" in printed and "exact-split: " not in printed
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
     split, mode = [], loss_head._bf16_products
 
     @contextlib.contextmanager
@@ -292,15 +297,14 @@ def test_head_decoder_exact_fp32_is_the_exact_head_with_unsplit_gemms(tmp_path, 
         split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
 
     monkeypatch.setattr(loss_head, "_bf16_products", counted)
-    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
     out = tmp_path / "h.json"
-    assert head_decoder.main([*argv, "--variants", "exact", "--json", str(out)]) == 0
+    assert head_decoder.main([*argv, "--variants", "exact-split", "--json", str(out)]) == 0
     assert split and set(split) == {3}
     split.clear()
-    assert head_decoder.main([*argv, "--variants", "exact-fp32"]) == 0
+    assert head_decoder.main([*argv, "--variants", "exact"]) == 0
     assert not split
-    assert json.loads(out.read_text())["machine"]["exact_products"] == "split-onednn"
-    assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
+    assert json.loads(out.read_text())["machine"]["bf16_products"] is True
+    assert not loss_head.SPLIT_ONEDNN and loss_head.exact_products(torch.device("cpu")) == "fp32"
 
 
 def test_native_check_script_is_valid_and_calls_existing_tools():

@@ -721,7 +721,8 @@ def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch,
 
     loss_head.exact_products(torch.device("cpu"))
     _, _, fp32_gemms, _, _ = run()
-    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", True)
     loss, grads, gemms, large, log = run()
     assert fp32_gemms and gemms == 3 * fp32_gemms
     assert large and large <= len(log) <= gemms and all("attr-fpmath:bf16" in ln for ln in log)
@@ -752,34 +753,38 @@ def _bf16_valued(x):
     return x.dtype == torch.float32 and torch.equal(x, x.bfloat16().float())
 
 
-def test_exact_head_on_cpu_is_one_fp32_gemm_or_three_with_bf16_products():
-    """On a CPU whose oneDNN runs FP32 GEMMs' products in BF16 (AMX) the exact product is three
-    FP32 GEMMs of BF16-valued halves under that mode; elsewhere (an AVX512-BF16 CPU without AMX,
-    torch 2.13) one plain FP32 GEMM. No CPU GEMM of BF16 matrices writes FP32."""
+def test_exact_head_on_cpu_is_one_fp32_gemm_unless_the_split_is_asked_for(monkeypatch):
+    """No CPU GEMM of BF16 matrices writes FP32 (torch 2.13: ``mm`` with ``out_dtype`` has no
+    CPU kernel), and the split through oneDNN's BF16 products is off until measured on AMX:
+    on any CPU the exact product is one plain FP32 GEMM. Asked for (``SPLIT_ONEDNN``), it is
+    three on a CPU whose oneDNN honours the mode, still one elsewhere."""
     cpu = torch.device("cpu")
-    assert not loss_head._split_native(cpu)
+    assert not loss_head._split_native(cpu) and loss_head.exact_products(cpu) == "fp32"
     one = torch.ones(2, 2, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, NotImplementedError)):
         torch.mm(one, one, out_dtype=torch.float32)
-    kind, before = loss_head.exact_products(cpu), _precision()  # probed before the spy counts
-    with _GemmSpy() as spy:
-        loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
-    assert _precision() == before
-    if kind == "fp32":
-        ((op, a, b, precision),) = spy.gemms
-        assert op is torch.ops.aten.mm and a.dtype == b.dtype == torch.float32 and precision == before
-    else:
-        assert len(spy.gemms) == 3
-        assert all(_bf16_valued(a) and _bf16_valued(b) and p == "bf16" for _, a, b, p in spy.gemms)
+    before = _precision()
+    for asked in (False, True):
+        monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", asked)
+        kind = loss_head.exact_products(cpu)  # probed before the spy counts
+        with _GemmSpy() as spy:
+            loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
+        assert _precision() == before
+        if kind == "fp32":
+            ((op, a, b, precision),) = spy.gemms
+            assert op is torch.ops.aten.mm and a.dtype == b.dtype == torch.float32 and precision == before
+        else:
+            assert asked and loss_head.bf16_products_native(cpu) and len(spy.gemms) == 3
+            assert all(_bf16_valued(a) and _bf16_valued(b) and p == "bf16" for _, a, b, p in spy.gemms)
 
 
 def test_the_probe_of_bf16_products_says_what_the_gemm_does(monkeypatch):
-    """``_bf16_products_native`` is True exactly where a GEMM under ``_bf16_products`` rounds
+    """``bf16_products_native`` is True exactly where a GEMM under ``_bf16_products`` rounds
     its operands to BF16: checked on matrices other than the probe's, on this machine, and
     probed alike where a compile's fake mode is active."""
     monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
     with FakeTensorMode():
-        probed_under_fake = loss_head._bf16_products_native(torch.device("cpu"))
+        probed_under_fake = loss_head.bf16_products_native(torch.device("cpu"))
     monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(96, 200, generator=g), torch.randn(200, 80, generator=g)
@@ -788,14 +793,15 @@ def test_the_probe_of_bf16_products_says_what_the_gemm_does(monkeypatch):
     as_bf16 = a.bfloat16().double() @ b.bfloat16().double()
     as_fp32 = a.double() @ b.double()
     rounded = (got - as_bf16).abs().max() < (got - as_fp32).abs().max()
-    assert rounded == loss_head._bf16_products_native(torch.device("cpu")) == probed_under_fake
+    assert rounded == loss_head.bf16_products_native(torch.device("cpu")) == probed_under_fake
 
 
 def test_split_with_bf16_products_is_exact_and_reaches_onednn_with_that_mode(monkeypatch, capfd):
     """The AMX path on any CPU: three GEMMs (one mm, two addmm into the same output) of
     BF16-valued FP32 halves, to ~16 mantissa bits, each handed to oneDNN with its FP32 math in
     BF16 (oneDNN's own log of what it executed); the setting restored after."""
-    monkeypatch.setattr(loss_head, "_bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", True)
     assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 256, generator=g) * 3, torch.randn(256, 96, generator=g)

@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor import metrics as inductor_metrics
 
+from amp_compiler import loss_head
 from amp_compiler.cpu_memory import applied as cpu_memory_applied
 from amp_compiler.cpu_memory import reuse_freed_memory
 from amp_compiler.device import native_dtypes
-from amp_compiler.loss_head import exact_products
 
 from .variants import LOSS_HEAD, CastCounter, Variant, make_variant
 from .workloads import HEAD_WORKLOADS, SIZES, build
@@ -286,7 +286,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
             r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
         if flops:
             r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
-            exact = exact_products(torch.device(device))
+            exact = loss_head.exact_products(torch.device(device))
             r["roofline"] = roofline(v.name, workload, size, flops, r["step_ms"], dtype, peak_tflops or {}, exact)
         if flops and device == "cuda":
             peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
@@ -335,7 +335,8 @@ def machine(device: str, dtype: str, reason: str) -> dict:
         "dtype_reason": reason,
         "command": " ".join(["python"] + sys.argv),
         "cpu_memory": _allocator(),
-        "exact_products": exact_products(torch.device(device)),
+        "exact_products": loss_head.exact_products(torch.device(device)),
+        "bf16_products": loss_head.bf16_products_native(torch.device(device)),
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
