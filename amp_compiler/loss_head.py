@@ -256,13 +256,19 @@ def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bo
     return torch.addmm(b.to(h.dtype), h, w.t(), out=out)
 
 
+def _projection_allocates(h: torch.Tensor, exact: bool) -> bool:
+    """Whether ``_project`` writes a fresh tensor rather than into the buffer it is given
+    (split products on a GPU, or a GEMM writing its FP32 accumulator)."""
+    return (exact and _split_native(h.device)) or (not exact and _writes_fp32(h.device, h.dtype))
+
+
 def _block_buffer(h: torch.Tensor, vocab: int, exact: bool, dtype: torch.dtype | None = None):
     """Storage for one block, which every block of a call reuses (``_in``), or None where the
     GEMM allocates its own output (split or FP32-writing products). A fresh block a time is
     a fresh 8-16 MiB allocation, which glibc maps and unmaps: its page faults made the block
     kernels ~1.6x slower and the backward 11% slower (2048 x 50257 head, 2-core CPU)."""
     if dtype is None:
-        if (exact and _split_native(h.device)) or (not exact and _writes_fp32(h.device, h.dtype)):
+        if _projection_allocates(h, exact):
             return None
         dtype = torch.float32 if exact else h.dtype
     rows, cols = block_shape(h.shape[0], vocab, h.device.type)
@@ -652,7 +658,7 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
     grad_dtype = torch.float32 if exact else h.dtype
     wc_all = w.to(grad_dtype)  # one copy a call, not one a block
     hs = h.float() if exact else h
-    allocates = (exact and _split_native(h.device)) or (not exact and _writes_fp32(h.device, h.dtype))
+    allocates = _projection_allocates(h, exact)
     rows, cols = ahead_shape(n, vocab, ahead_itemsize(h.device, h.dtype, exact), h.device.type)
     z_buffer = None if allocates else torch.empty(rows * vocab, dtype=grad_dtype, device=h.device)
     dl_buffer = torch.empty(rows * cols, dtype=grad_dtype, device=h.device)

@@ -690,6 +690,17 @@ def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
+@contextlib.contextmanager
+def _onednn_matmuls(capfd):
+    """oneDNN's own log of the matmuls it executed inside (its verbose mode): the lines, filled
+    in on exit."""
+    capfd.readouterr()
+    lines = []
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        yield lines
+    lines += [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
+
+
 @pytest.mark.parametrize("ahead", ["", "hw"])
 def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch, capfd, small_blocks, small_ahead):
     """The exact op where oneDNN runs FP32 GEMMs' products in BF16 (AMX), recomputing and one
@@ -701,14 +712,9 @@ def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch,
 
     def run():
         h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
-        capfd.readouterr()
-        with (
-            torch.profiler.profile(record_shapes=True) as prof,
-            torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
-        ):
+        with torch.profiler.profile(record_shapes=True) as prof, _onednn_matmuls(capfd) as log:
             loss = _from_stats(HEAD(h32, w32, None, t, "", -100, True, False, "", ahead), t, vocab)
             grads = torch.autograd.grad(loss, [h32, w32])
-        log = [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
         mms = [
             [shape for shape in e.input_shapes if len(shape) == 2][-2:]
             for e in prof.events()
@@ -807,10 +813,8 @@ def test_split_with_bf16_products_is_exact_and_reaches_onednn_with_that_mode(mon
     a, b = torch.randn(64, 256, generator=g) * 3, torch.randn(256, 96, generator=g)
     out = torch.empty(64, 96)
     before = _precision()
-    capfd.readouterr()
-    with _GemmSpy() as spy, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+    with _GemmSpy() as spy, _onednn_matmuls(capfd) as log:
         got = loss_head.exact_mm(a, b, out)
-    log = [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
     assert got.data_ptr() == out.data_ptr() and _precision() == before
     assert [op for op, *_ in spy.gemms] == [torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm_]
     assert all(_bf16_valued(x) and _bf16_valued(y) and p == "bf16" for _, x, y, p in spy.gemms)

@@ -208,7 +208,8 @@ def main(argv=None) -> int:
         print(line)
     if args.json:
         size = {"batch": batch, "seq": args.seq, "vocab": args.vocab, "d": args.d, "layers": args.layers}
-        size["ahead_rows"] = loss_head.ahead_shape(batch * args.seq, args.vocab, 2, device)[0]
+        itemsize = loss_head.ahead_itemsize(torch.device(device), torch.bfloat16, exact=False)
+        size["ahead_rows"] = loss_head.ahead_shape(batch * args.seq, args.vocab, itemsize, device)[0]
         report = {"machine": machine(device, "bf16", "the head's variants in BF16"), "size": size}
         report["returns_logits"], report["variants"] = args.returns_logits, results
         write_text(args.json, json.dumps(report, indent=1) + "\n")
