@@ -36,9 +36,11 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .device import cpu_has_amx, native_dtypes
 
@@ -183,10 +185,22 @@ def bf16_products_native(device: torch.device) -> bool:
     return _BF16_PRODUCTS["cpu"]
 
 
-def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (FP32) as BF16 ``hi + lo``: 16 of FP32's 24 mantissa bits."""
-    hi = x.to(torch.bfloat16)
-    return hi, (x - hi.float()).to(torch.bfloat16)
+def _bf16_bits(x: torch.Tensor, nearest: bool) -> torch.Tensor:
+    """FP32 ``x`` cut to a BF16 value (still FP32), by its bits: truncated, or rounded to
+    nearest even. By bits because Inductor folds a cast to BF16 and back into nothing."""
+    bits = x.view(torch.int32)
+    if nearest:
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    return (bits & -65536).view(torch.float32)
+
+
+def _split_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
+    """FP32 ``x`` as ``hi + lo``, both BF16 values (written into BF16 or FP32 tensors): ``hi``
+    its leading 8 bits, truncated (no overflow near FP32's largest), ``lo`` the rest rounded,
+    16 of FP32's 24 mantissa bits in all (relative error under 2^-16)."""
+    top = _bf16_bits(x, False)
+    hi.copy_(top)
+    lo.copy_(_bf16_bits(x - top, True))
 
 
 # The exact head's split through oneDNN's BF16 products (AMX) is off until measured there: its
@@ -213,24 +227,47 @@ class _Split(tuple):
         return _Split(part.t() for part in self)
 
 
-def split_operand(x: torch.Tensor, kind: str) -> torch.Tensor | _Split:
-    """``x`` ready for ``exact_mm`` under ``kind`` (``exact_products``): FP32, or its halves."""
+def split_operand(x: torch.Tensor, kind: str, into: dict | None = None, role: str = "") -> torch.Tensor | _Split:
+    """``x`` ready for ``exact_mm`` under ``kind`` (``exact_products``): FP32, or its halves,
+    written by a generated kernel into ``into[role]``'s storage where given (a call's blocks
+    reuse it: fresh block-sized halves are page faults, and eager ATen passes, which made
+    a 2048 x 4096 block's split 20x slower, 55 against 2.8 ms on a 2-core CPU). An operand
+    already split is returned as it is."""
+    if isinstance(x, _Split):
+        return x
+    x = x.float()
     if kind == "fp32":
-        return x.float()
-    hi, lo = _halves(x.float())
-    return _Split((hi, lo) if kind == "split" else (hi.float(), lo.float()))
+        return x
+    if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():  # a weight's .t()
+        return split_operand(x.t(), kind, into, role).t()
+    dtype = torch.bfloat16 if kind == "split" else torch.float32
+    hi, lo = _storage(into, role, x.shape, dtype, x.device)
+    _kernel(_split_into)(hi, lo, x)
+    return _Split((hi, lo))
 
 
-def exact_mm(a, b, out: torch.Tensor | None = None) -> torch.Tensor:
+def _storage(into: dict | None, role: str, shape, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of ``shape`` on ``into[role]``'s storage, grown (or first made) as needed."""
+    n = math.prod(shape)
+    pair = None if into is None else into.get(role)
+    if pair is None or pair[0].numel() < n or pair[0].dtype != dtype:
+        pair = tuple(torch.empty(n, dtype=dtype, device=device) for _ in range(2))
+        if into is not None:
+            into[role] = pair
+    return tuple(part[:n].view(shape) for part in pair)
+
+
+def exact_mm(a, b, out: torch.Tensor | None = None, into: dict | None = None) -> torch.Tensor:
     """``a @ b`` to FP32's accuracy for the loss head (``a``, ``b``: tensors, or operands
     ``split_operand`` already split). Where BF16 GEMMs write FP32 it is three of them over the
     split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the split's remainders
     are ~2^-16 of each term: a relative error near 1e-5, far under the head's 1e-3 nats). On a
     CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three products as FP32 GEMMs
     of the halves (each exactly a BF16 value: the products are those of BF16 GEMMs), into
-    ``out`` where given; elsewhere one FP32 GEMM."""
+    ``out`` where given; elsewhere one FP32 GEMM. Operands it splits go to ``into``'s storage
+    (``split_operand``)."""
     kind = exact_products(a[0].device if isinstance(a, _Split) else a.device)
-    a, b = (x if isinstance(x, _Split) else split_operand(x, kind) for x in (a, b))
+    a, b = split_operand(a, kind, into, "a"), split_operand(b, kind, into, "b")
     if kind == "fp32":
         return torch.mm(a, b, out=out)
     (ah, al), (bh, bl) = a, b
@@ -241,11 +278,11 @@ def exact_mm(a, b, out: torch.Tensor | None = None) -> torch.Tensor:
         return z.addmm_(ah, bl).addmm_(al, bh)
 
 
-def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool, out=None) -> torch.Tensor:
+def _project(h, w, b: torch.Tensor | None, exact: bool, out=None, into=None) -> torch.Tensor:
     """``h @ w.T + b`` as the GEMM wrote it (FP32 where exact or where the GEMM writes FP32),
-    into ``out`` where given (``_block_buffer``)."""
+    into ``out`` where given (``_block_buffer``); exact operands split into ``into``."""
     if exact:
-        z = exact_mm(h, w.t(), out)
+        z = exact_mm(h, w.t(), out, into)
         return z if b is None else z.add_(b)
     w = w.to(h.dtype)
     if _writes_fp32(h.device, h.dtype):  # the logits are never rounded to 16 bit
@@ -391,7 +428,10 @@ def _compiled(fn):
 
 
 def _kernel(fn):
-    """``fn`` compiled by Inductor, or as written where Inductor cannot compile here (warned once)."""
+    """``fn`` compiled by Inductor, or as written where Inductor cannot compile here (warned
+    once), or for this call where a dispatch mode is active: Dynamo refuses to trace under
+    one, which is no reason to give up compiling (the ops' kernels run with the mode popped;
+    helpers such as ``split_operand`` called directly under a recorder do not)."""
     name = fn.__name__
     if name not in _KERNELS:
         _KERNELS[name] = _compiled(fn)
@@ -399,7 +439,7 @@ def _kernel(fn):
 
     def run(*args):
         nonlocal compiled
-        if compiled is fn:
+        if compiled is fn or is_in_torch_dispatch_mode(include_infra_modes=False):
             return fn(*args)
         try:
             return compiled(*args)
@@ -480,11 +520,14 @@ def head_stats(
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
     fold = _kernel(_stats_block)
     buffer = _block_buffer(h, vocab, exact)
+    operand, into = _operands(h.device, exact)
     out = []
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
         stats = _start(rows.stop - rows.start, h)
+        hc = operand(h[rows], into, "h")
         for cols in col_blocks:
-            z = _project(h[rows], w[cols], None if b is None else b[cols], exact, _in(buffer, rows, cols))
+            wc = operand(w[cols], into, "w")
+            z = _project(hc, wc, None if b is None else b[cols], exact, _in(buffer, rows, cols), into)
             stats = fold(z, stats, _in_block(safe[rows], cols), steps, with_sum, want)
         out.append(_finish(stats, want))
     stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
@@ -552,36 +595,48 @@ def head_stats_backward(
     grad = _kernel(_grad_block_into)
     z_buffer = _block_buffer(h, vocab, exact)
     dl_buffer = _block_buffer(h, vocab, exact, grad_dtype)
+    operand, into = _operands(h.device, exact)
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
-        hc = h[rows].float() if exact else h[rows]
-        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
+        dh_rows = torch.zeros(h[rows].shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
+        hc = operand(h[rows], into, "h")  # split once for its row block's GEMMs
         ent = (entropy[rows], g_entropy[rows]) if with_entropy else (None, None)
         for cols in col_blocks:
-            wc = w[cols].to(grad_dtype)
-            z = _project(hc, wc, None if b is None else b[cols], exact, _in(z_buffer, rows, cols))
+            wc = operand(w[cols].to(grad_dtype), into, "w")  # split once for the block's three GEMMs
+            z = _project(hc, wc, None if b is None else b[cols], exact, _in(z_buffer, rows, cols), into)
             at = _in_block(safe[rows], cols)
             dl = _in(dl_buffer, rows, cols)
             grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, *ent)
             del z
-            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact)
+            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, into=into)
         if dh.numel():
             dh[rows] = dh_rows
     return dh.to(h.dtype), dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 
-def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False) -> None:
+def _operands(device: torch.device, exact: bool):
+    """How a call's loops take their GEMMs' operands, and the storage the split ones share:
+    16-bit as given (the projection casts w's block); exact: FP32, or split once
+    (``split_operand``) for all the GEMMs that use them."""
+    if not exact:
+        return (lambda x, into, role: x), None
+    kind = exact_products(device)
+    return (lambda x, into, role: split_operand(x, kind, into, role)), {}
+
+
+def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False, into=None) -> None:
     """Add one block's share of the gradients: ``dl`` (dLoss/dlogits of rows ``hc`` x
     vocabulary entries ``cols``) times the weight's rows ``wc`` into ``dh_rows``, times ``hc``
     into the weight's gradient rows ``cols`` (written, not added, where ``first``), and its
     column sums into the bias's (``db``, empty without one). The sums are a GEMV: as a
     reduction over the rows in the generated kernel (or ATen's ``sum(0)``) they made it 5x
-    slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7)."""
+    slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7). Exact: the
+    operands not split yet are split into ``into``, each once for both of its products."""
     if db.numel():
         db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
     mm = exact_mm if exact else torch.mm
-    if exact:  # each operand split once for both of its products
+    if exact:
         kind = exact_products(dl.device)
-        dl, hc, wc = (split_operand(x, kind) for x in (dl, hc, wc))
+        dl, hc, wc = (split_operand(x, kind, into, role) for x, role in ((dl, "dl"), (hc, "a"), (wc, "b")))
     if dh_rows.numel():
         dh_rows.add_(mm(dl, wc))
     if not dw.numel():
@@ -665,27 +720,29 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
     dh, dw, db = _grad_outputs(h, w, b, wanted, torch.float32)  # the first row block writes dw
     db.zero_()
     fold, grad = _kernel(_stats_block), _kernel(_grad_block_into)
+    operand, into = _operands(h.device, exact)
     out = []
     for r in range(0, n, rows):
         rs = slice(r, min(r + rows, n))
-        k, hc = rs.stop - rs.start, hs[rs]
+        k, hc = rs.stop - rs.start, operand(hs[rs], into, "h")
         stats, held, offset = _start(k, h), [], 0
         for c in range(0, vocab, cols):
             cs = slice(c, min(c + cols, vocab))
             size = k * (cs.stop - cs.start)
             place = None if z_buffer is None else z_buffer[offset : offset + size].view(k, -1)
             offset += size
-            z = _project(hc, wc_all[cs], None if b is None else b[cs], exact, place)
+            z = _project(hc, operand(wc_all[cs], into, "w"), None if b is None else b[cs], exact, place, into)
             at = _in_block(safe[rs], cs)
             stats = fold(z, stats, at, steps, bool(smoothing), want)
             held.append((cs, z, at))
         part = _finish(stats, want)
         out.append(part)
-        dh_rows = torch.zeros(hc.shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
+        dh_rows = torch.zeros(hs[rs].shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
         for cs, z, at in held:
             dl = dl_buffer[: z.numel()].view(z.shape)
             grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps)
-            _add_block_grads(dl, hc, wc_all[cs], cs, dh_rows, dw, db, exact, first=r == 0)
+            wc = operand(wc_all[cs], into, "w")  # again: later blocks' splits took its storage
+            _add_block_grads(dl, hc, wc, cs, dh_rows, dw, db, exact, first=r == 0, into=into)
         held.clear()
         if dh.numel():
             dh[rs] = dh_rows

@@ -409,6 +409,31 @@ def test_block_math_stays_compiled_past_dynamos_default_recompile_limit(fresh_ke
         assert any(k.startswith("## Call CompiledFxGraph") for k in ran) and "aten::exp" not in ran, chain
 
 
+class _Watching(TorchDispatchMode):
+    """A user's dispatch mode (a FLOP counter, a recorder): it only watches."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_block_math_under_a_dispatch_mode_runs_as_written_and_stays_compiled(fresh_kernels, caplog):
+    """Dynamo refuses to trace under a dispatch mode. The ops' kernels run with the mode popped,
+    but their helpers called directly (a split under a GEMM recorder) do not: such a call runs
+    the math as written, warns nothing, and the next call without a mode is compiled (the
+    first such call once turned compiling off for the whole process)."""
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="amp_compiler"), _Watching():
+        watched = loss_head.split_operand(x, "split-onednn")
+    assert not caplog.records
+    loss_head.split_operand(x, "split-onednn")  # compiles
+    with torch.profiler.profile() as prof:
+        got = loss_head.split_operand(x, "split-onednn")
+    ran = {e.key for e in prof.key_averages()}
+    assert any(k.startswith("## Call CompiledFxGraph") for k in ran) and "aten::bitwise_and" not in ran
+    for a, b in zip(got, watched):
+        assert torch.equal(a, b)
+
+
 def test_op_refuses_a_target_outside_the_vocabulary():
     h, w = torch.randn(4, 8), torch.randn(16, 8)
     with pytest.raises(IndexError, match="Target 16 is out of bounds"):
@@ -757,6 +782,36 @@ def _precision():
 
 def _bf16_valued(x):
     return x.dtype == torch.float32 and torch.equal(x, x.bfloat16().float())
+
+
+@pytest.mark.parametrize("kind", ["split", "split-onednn"])
+def test_a_split_is_one_generated_kernel_into_storage_the_blocks_reuse(kind, fresh_kernels):
+    """An operand's halves: BF16 values (``hi`` its leading bits, ``lo`` the rest rounded to
+    nearest), within 2^-16 of it, FP32's extremes kept finite; written by one generated kernel
+    (no ATen pass over the block) into the storage the call's blocks share, for a weight's
+    transpose too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 40, generator=g) * 3
+    x[0, :3] = torch.tensor([3.4e38, -3.4e38, 1e-30])
+    into = {}
+    hi, lo = loss_head.split_operand(x, kind, into, "dl")
+    assert hi.dtype == lo.dtype == (torch.bfloat16 if kind == "split" else torch.float32)
+    hi, lo = hi.float().clone(), lo.float().clone()  # the next split takes their storage
+    assert _bf16_valued(hi) and _bf16_valued(lo) and hi.isfinite().all()
+    assert torch.equal(hi.abs(), (x.abs().view(torch.int32) & -65536).view(torch.float32))  # truncated
+    assert torch.equal(lo, (x - hi).bfloat16().float())
+    assert ((hi + lo - x).abs() <= x.abs() * 2**-16).all()
+    twice = x * 2
+    with torch.profiler.profile() as prof:
+        again = loss_head.split_operand(twice, kind, into, "dl")
+    ran = {e.key for e in prof.key_averages()}
+    assert any(k.startswith("## Call CompiledFxGraph") for k in ran)
+    assert not {"aten::bitwise_and", "aten::sub", "aten::_to_copy", "aten::copy_"} & ran, ran
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in into["dl"]]
+    assert torch.equal(again[0].float(), 2 * hi)  # the first split's storage, overwritten
+    wt = loss_head.split_operand(x.t(), kind, into, "w")  # a weight as the projection takes it
+    assert [t.shape for t in wt] == [x.t().shape] * 2 and torch.equal(wt[0].float(), hi.t())
+    assert wt[0].t().is_contiguous()
 
 
 def test_exact_head_on_cpu_is_one_fp32_gemm_unless_the_split_is_asked_for(monkeypatch):
