@@ -37,6 +37,8 @@ import functools
 import inspect
 import logging
 import math
+import statistics
+import time
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -203,20 +205,65 @@ def _split_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
     lo.copy_(_bf16_bits(x - top, True))
 
 
-# The exact head's split through oneDNN's BF16 products (AMX) is off until measured there: its
-# operands' halves are extra passes over memory, and splitting one 2048 x 4096 FP32 gradient
-# block took 47-71 ms on a 2-core CPU, more than an FP32 GEMM of it at width 256 (27 ms),
-# against BF16 GEMMs ~6x faster than FP32 on AMX (tools/head_decoder.py variant exact-split)
-SPLIT_ONEDNN = False
+# Where oneDNN runs FP32 GEMMs' products in BF16 (AMX), the exact head's GEMMs may run split:
+# three BF16 GEMMs for one FP32, plus a pass over each block to split it. "auto" times one
+# block both ways at the head's width, once per width a process uses, and splits where that
+# is SPLIT_GAIN x faster (a narrow head's BF16 GEMMs may not repay the pass; no AMX figures
+# yet); True always splits there, False never
+SPLIT_ONEDNN: bool | str = "auto"
+SPLIT_GAIN = 1.1
+# Tokens x vocabulary entries of the block timed: a one-pass head's row block, a block's columns
+SPLIT_TIMED_BLOCK = (1024, 4096)
+_SPLIT_MS: dict[int, tuple[float, float]] = {}
+UNDECIDED = "split-onednn-if-faster"
 
 
-def exact_products(device: torch.device) -> str:
-    """How the exact head's GEMMs run on ``device``: "split" (three BF16 GEMMs writing FP32),
-    "split-onednn" (the same as FP32 GEMMs whose products oneDNN runs in BF16: where
-    ``SPLIT_ONEDNN`` asks for it and oneDNN honours it) or "fp32"."""
+def exact_products(device: torch.device, width: int | None = None, measure: bool = True) -> str:
+    """How the exact head's GEMMs run on ``device`` for a head ``width`` wide: "split" (three
+    BF16 GEMMs writing FP32), "split-onednn" (the same as FP32 GEMMs whose products oneDNN
+    runs in BF16, where it honours that and ``SPLIT_ONEDNN`` chooses it) or "fp32". Under
+    "auto" the first call for a width times the two (``split_timings``); ``UNDECIDED`` where
+    it may not measure (no width, ``measure`` False, or inside a compile)."""
     if _split_native(device):
         return "split"
-    return "split-onednn" if SPLIT_ONEDNN and bf16_products_native(device) else "fp32"
+    if SPLIT_ONEDNN is False or not bf16_products_native(device):
+        return "fp32"
+    if SPLIT_ONEDNN is True:
+        return "split-onednn"
+    if width not in _SPLIT_MS:
+        if width is None or not measure or torch.compiler.is_compiling():
+            return UNDECIDED
+        _SPLIT_MS[width] = _time_split(int(width))
+        _log.info("exact loss head, width %d: split %.1f ms, FP32 %.1f ms a block", width, *_SPLIT_MS[width])
+    split_ms, fp32_ms = _SPLIT_MS[width]
+    return "split-onednn" if fp32_ms > SPLIT_GAIN * split_ms else "fp32"
+
+
+def split_timings() -> dict[int, tuple[float, float]]:
+    """Per head width timed so far: (split, FP32) milliseconds of one block's GEMM."""
+    return dict(_SPLIT_MS)
+
+
+def _time_split(width: int, reps: int = 3) -> tuple[float, float]:
+    """Milliseconds of one block's ``dl @ w`` (``SPLIT_TIMED_BLOCK`` x ``width``): split (both
+    operands' halves written, three GEMMs under BF16 products) and one FP32 GEMM; medians of
+    interleaved runs, after one of each (the split's kernel compiles)."""
+    rows, cols = SPLIT_TIMED_BLOCK
+    with unset_fake_temporarily():
+        g = torch.Generator().manual_seed(0)
+        dl, w = torch.randn(rows, cols, generator=g), torch.randn(cols, width, generator=g)
+        into = {}
+        runs = {
+            "split": lambda: exact_mm(dl, w, into=into, kind="split-onednn"),
+            "fp32": lambda: exact_mm(dl, w, kind="fp32"),
+        }
+        times = {name: [] for name in runs}
+        for _ in range(reps + 1):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return tuple(statistics.median(t[1:]) * 1e3 for t in times.values())
 
 
 class _Split(tuple):
@@ -257,16 +304,19 @@ def _storage(into: dict | None, role: str, shape, dtype: torch.dtype, device) ->
     return tuple(part[:n].view(shape) for part in pair)
 
 
-def exact_mm(a, b, out: torch.Tensor | None = None, into: dict | None = None) -> torch.Tensor:
+def exact_mm(a, b, out: torch.Tensor | None = None, into: dict | None = None, kind: str | None = None) -> torch.Tensor:
     """``a @ b`` to FP32's accuracy for the loss head (``a``, ``b``: tensors, or operands
-    ``split_operand`` already split). Where BF16 GEMMs write FP32 it is three of them over the
-    split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the split's remainders
-    are ~2^-16 of each term: a relative error near 1e-5, far under the head's 1e-3 nats). On a
-    CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three products as FP32 GEMMs
-    of the halves (each exactly a BF16 value: the products are those of BF16 GEMMs), into
-    ``out`` where given; elsewhere one FP32 GEMM. Operands it splits go to ``into``'s storage
-    (``split_operand``)."""
-    kind = exact_products(a[0].device if isinstance(a, _Split) else a.device)
+    ``split_operand`` already split under ``kind``, which defaults to ``exact_products``' for a
+    head as wide as the product's inner dimension). Where BF16 GEMMs write FP32 it is three of
+    them over the split operands, ``ah bh + ah bl + al bh`` (the dropped ``al bl`` and the
+    split's remainders are ~2^-16 of each term: a relative error near 1e-5, far under the
+    head's 1e-3 nats). On a CPU whose oneDNN runs FP32 GEMMs' products in BF16, the same three
+    products as FP32 GEMMs of the halves (each exactly a BF16 value: the products are those of
+    BF16 GEMMs), into ``out`` where given; elsewhere one FP32 GEMM. Operands it splits go to
+    ``into``'s storage (``split_operand``)."""
+    if kind is None:
+        first = a[0] if isinstance(a, _Split) else a
+        kind = exact_products(first.device, first.shape[-1])
     a, b = split_operand(a, kind, into, "a"), split_operand(b, kind, into, "b")
     if kind == "fp32":
         return torch.mm(a, b, out=out)
@@ -278,11 +328,11 @@ def exact_mm(a, b, out: torch.Tensor | None = None, into: dict | None = None) ->
         return z.addmm_(ah, bl).addmm_(al, bh)
 
 
-def _project(h, w, b: torch.Tensor | None, exact: bool, out=None, into=None) -> torch.Tensor:
+def _project(h, w, b: torch.Tensor | None, exact: _Exact | None, out=None) -> torch.Tensor:
     """``h @ w.T + b`` as the GEMM wrote it (FP32 where exact or where the GEMM writes FP32),
-    into ``out`` where given (``_block_buffer``); exact operands split into ``into``."""
+    into ``out`` where given (``_block_buffer``)."""
     if exact:
-        z = exact_mm(h, w.t(), out, into)
+        z = exact.mm(h, w.t(), out)
         return z if b is None else z.add_(b)
     w = w.to(h.dtype)
     if _writes_fp32(h.device, h.dtype):  # the logits are never rounded to 16 bit
@@ -429,9 +479,10 @@ def _compiled(fn):
 
 def _kernel(fn):
     """``fn`` compiled by Inductor, or as written where Inductor cannot compile here (warned
-    once), or for this call where a dispatch mode is active: Dynamo refuses to trace under
-    one, which is no reason to give up compiling (the ops' kernels run with the mode popped;
-    helpers such as ``split_operand`` called directly under a recorder do not)."""
+    once), or for this call where a dispatch mode is active or a compile is under way: Dynamo
+    refuses to trace there, which is no reason to give up compiling (the ops' kernels run
+    with the mode popped, and after compiling; helpers such as ``split_operand`` called
+    directly under a recorder or from a compiler pass do not)."""
     name = fn.__name__
     if name not in _KERNELS:
         _KERNELS[name] = _compiled(fn)
@@ -439,7 +490,7 @@ def _kernel(fn):
 
     def run(*args):
         nonlocal compiled
-        if compiled is fn or is_in_torch_dispatch_mode(include_infra_modes=False):
+        if compiled is fn or is_in_torch_dispatch_mode(include_infra_modes=False) or torch.compiler.is_compiling():
             return fn(*args)
         try:
             return compiled(*args)
@@ -520,14 +571,13 @@ def head_stats(
     safe = torch.where(_check_targets(target, vocab, ignore_index), target, 0)
     fold = _kernel(_stats_block)
     buffer = _block_buffer(h, vocab, exact)
-    operand, into = _operands(h.device, exact)
+    ex = _Exact.of(h, exact)
     out = []
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
         stats = _start(rows.stop - rows.start, h)
-        hc = operand(h[rows], into, "h")
+        hc = _operand(ex, h[rows], "h")
         for cols in col_blocks:
-            wc = operand(w[cols], into, "w")
-            z = _project(hc, wc, None if b is None else b[cols], exact, _in(buffer, rows, cols), into)
+            z = _project(hc, _operand(ex, w[cols], "w"), None if b is None else b[cols], ex, _in(buffer, rows, cols))
             stats = fold(z, stats, _in_block(safe[rows], cols), steps, with_sum, want)
         out.append(_finish(stats, want))
     stats = out[0] if len(out) == 1 else tuple(torch.cat(parts) for parts in zip(*out))
@@ -595,48 +645,61 @@ def head_stats_backward(
     grad = _kernel(_grad_block_into)
     z_buffer = _block_buffer(h, vocab, exact)
     dl_buffer = _block_buffer(h, vocab, exact, grad_dtype)
-    operand, into = _operands(h.device, exact)
+    ex = _Exact.of(h, exact)
     for rows, col_blocks in _blocks(n, vocab, h.device.type):
         dh_rows = torch.zeros(h[rows].shape, dtype=torch.float32, device=h.device) if dh.numel() else dh
-        hc = operand(h[rows], into, "h")  # split once for its row block's GEMMs
+        hc = _operand(ex, h[rows], "h")  # split once for its row block's GEMMs
         ent = (entropy[rows], g_entropy[rows]) if with_entropy else (None, None)
         for cols in col_blocks:
-            wc = operand(w[cols].to(grad_dtype), into, "w")  # split once for the block's three GEMMs
-            z = _project(hc, wc, None if b is None else b[cols], exact, _in(z_buffer, rows, cols), into)
+            wc = _operand(ex, w[cols].to(grad_dtype), "w")  # split once for the block's three GEMMs
+            z = _project(hc, wc, None if b is None else b[cols], ex, _in(z_buffer, rows, cols))
             at = _in_block(safe[rows], cols)
             dl = _in(dl_buffer, rows, cols)
             grad(dl, z, lse[rows], g_lse[rows], g_total[rows], g_picked[rows], at, steps, *ent)
             del z
-            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, into=into)
+            _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, ex)
         if dh.numel():
             dh[rows] = dh_rows
     return dh.to(h.dtype), dw.to(w.dtype), db.to(b.dtype) if b is not None else db
 
 
-def _operands(device: torch.device, exact: bool):
-    """How a call's loops take their GEMMs' operands, and the storage the split ones share:
-    16-bit as given (the projection casts w's block); exact: FP32, or split once
-    (``split_operand``) for all the GEMMs that use them."""
-    if not exact:
-        return (lambda x, into, role: x), None
-    kind = exact_products(device)
-    return (lambda x, into, role: split_operand(x, kind, into, role)), {}
+class _Exact:
+    """A call's exact GEMMs: how they run (``exact_products`` for its head's width, decided
+    once a call) and the storage its split operands share (``split_operand``)."""
+
+    def __init__(self, device: torch.device, width: int):
+        self.kind, self.into = exact_products(device, width), {}
+
+    @classmethod
+    def of(cls, h: torch.Tensor, exact: bool) -> _Exact | None:
+        return cls(h.device, h.shape[-1]) if exact else None
+
+    def operand(self, x: torch.Tensor, role: str):
+        return split_operand(x, self.kind, self.into, role)
+
+    def mm(self, a, b, out: torch.Tensor | None = None) -> torch.Tensor:
+        return exact_mm(a, b, out, self.into, self.kind)
 
 
-def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact, first=False, into=None) -> None:
+def _operand(exact: _Exact | None, x: torch.Tensor, role: str):
+    """A GEMM operand as a call's loops take it: 16-bit as given (the projection casts w's
+    block); exact: FP32, or split once for all the GEMMs that use it."""
+    return exact.operand(x, role) if exact else x
+
+
+def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact: _Exact | None, first=False) -> None:
     """Add one block's share of the gradients: ``dl`` (dLoss/dlogits of rows ``hc`` x
     vocabulary entries ``cols``) times the weight's rows ``wc`` into ``dh_rows``, times ``hc``
     into the weight's gradient rows ``cols`` (written, not added, where ``first``), and its
     column sums into the bias's (``db``, empty without one). The sums are a GEMV: as a
     reduction over the rows in the generated kernel (or ATen's ``sum(0)``) they made it 5x
     slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7). Exact: the
-    operands not split yet are split into ``into``, each once for both of its products."""
+    operands not split yet are split, each once for both of its products."""
     if db.numel():
         db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
-    mm = exact_mm if exact else torch.mm
+    mm = exact.mm if exact else torch.mm
     if exact:
-        kind = exact_products(dl.device)
-        dl, hc, wc = (split_operand(x, kind, into, role) for x, role in ((dl, "dl"), (hc, "a"), (wc, "b")))
+        dl, hc, wc = exact.operand(dl, "dl"), exact.operand(hc, "a"), exact.operand(wc, "b")
     if dh_rows.numel():
         dh_rows.add_(mm(dl, wc))
     if not dw.numel():
@@ -720,18 +783,18 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
     dh, dw, db = _grad_outputs(h, w, b, wanted, torch.float32)  # the first row block writes dw
     db.zero_()
     fold, grad = _kernel(_stats_block), _kernel(_grad_block_into)
-    operand, into = _operands(h.device, exact)
+    ex = _Exact.of(h, exact)
     out = []
     for r in range(0, n, rows):
         rs = slice(r, min(r + rows, n))
-        k, hc = rs.stop - rs.start, operand(hs[rs], into, "h")
+        k, hc = rs.stop - rs.start, _operand(ex, hs[rs], "h")
         stats, held, offset = _start(k, h), [], 0
         for c in range(0, vocab, cols):
             cs = slice(c, min(c + cols, vocab))
             size = k * (cs.stop - cs.start)
             place = None if z_buffer is None else z_buffer[offset : offset + size].view(k, -1)
             offset += size
-            z = _project(hc, operand(wc_all[cs], into, "w"), None if b is None else b[cs], exact, place, into)
+            z = _project(hc, _operand(ex, wc_all[cs], "w"), None if b is None else b[cs], ex, place)
             at = _in_block(safe[rs], cs)
             stats = fold(z, stats, at, steps, bool(smoothing), want)
             held.append((cs, z, at))
@@ -741,8 +804,8 @@ def ahead_grads(h, w, b, target, chain: str, ignore_index: int, exact: bool, smo
         for cs, z, at in held:
             dl = dl_buffer[: z.numel()].view(z.shape)
             grad(dl, z, part[1], g_lse[rs], g_total[rs], g_picked[rs], at, steps)
-            wc = operand(wc_all[cs], into, "w")  # again: later blocks' splits took its storage
-            _add_block_grads(dl, hc, wc, cs, dh_rows, dw, db, exact, first=r == 0, into=into)
+            wc = _operand(ex, wc_all[cs], "w")  # again: later blocks' splits took its storage
+            _add_block_grads(dl, hc, wc, cs, dh_rows, dw, db, ex, first=r == 0)
         held.clear()
         if dh.numel():
             dh[rs] = dh_rows

@@ -31,6 +31,7 @@ from amp_compiler.loss_head import (
     MAX_ROWS,
     MIN_VOCAB,
     NO_IGNORE,
+    UNDECIDED,
     ahead_bytes,
     ahead_itemsize,
     ahead_shape,
@@ -64,6 +65,10 @@ _EXACT_HOW = {
     "split-onednn": (
         "projection to FP32's accuracy as split BF16 products, three FP32 GEMMs of BF16 halves whose products "
         "oneDNN runs in BF16 (loss_head='exact')"
+    ),
+    UNDECIDED: (
+        "projection to FP32's accuracy: FP32 GEMMs, or split BF16 products that oneDNN runs in BF16 where one "
+        "block of this width times faster split at the first step (loss_head='exact')"
     ),
 }
 # loss_head="auto" fuses where the unfused logits would take 1/AUTO_SHARE of the memory or more
@@ -115,6 +120,12 @@ def _is_log_softmax(node: object) -> bool:
 
 def _val(node: object):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _width(h: torch.fx.Node) -> int | None:
+    """The head's width where the graph fixes it (a symbol under dynamic shapes: None)."""
+    width = _val(h).shape[-1]
+    return width if isinstance(width, int) else None
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default):
@@ -369,7 +380,7 @@ class _Fusion:
                 )
             else:
                 how = (
-                    _EXACT_HOW[exact_products(_val(h).device)]
+                    _EXACT_HOW[exact_products(_val(h).device, _width(h), measure=False)]
                     if exact
                     else f"projection in {dtype_name(low)} (FP32 accumulation)"
                 )

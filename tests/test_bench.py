@@ -275,19 +275,23 @@ def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
         head_decoder.main([*argv, "--ahead-rows", "0"])
 
 
-def test_head_decoder_exact_split_runs_the_exact_head_split(tmp_path, monkeypatch, capsys):
+def test_head_decoder_exact_variants_split_as_they_say(tmp_path, monkeypatch, capsys):
     """``exact-split`` runs the exact head's GEMMs split through oneDNN's BF16 products (played
-    here: the mode honoured), three to a product under that mode, and ``exact`` none (by what
-    executed); the JSON says whether this machine honours the mode; the switch is back off
-    after the variant. Where the mode is not honoured the variant is left out, saying why."""
+    here: the mode honoured), three to a product under that mode, ``exact-fp32`` none, and
+    ``exact`` as its timing of one block chose (here: as if the split were slower), by what
+    executed; the JSON says whether this machine honours the mode and what the timing found;
+    the switch is back to "auto" after each variant. Where the mode is not honoured the two
+    named variants are left out, saying why."""
     import head_decoder
 
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
-    assert head_decoder.main([*argv, "--variants", "exact,exact-split"]) == 0
+    assert head_decoder.main([*argv, "--variants", "exact,exact-split,exact-fp32"]) == 0
     printed = capsys.readouterr().out
-    assert "exact-split left out" in printed and "exact-split: " not in printed
+    for name in ("exact-split", "exact-fp32"):
+        assert f"{name} left out" in printed and f"{name}: " not in printed
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "_SPLIT_MS", {32: (3.0, 1.0)})
     split, mode = [], loss_head._bf16_products
 
     @contextlib.contextmanager
@@ -300,11 +304,13 @@ def test_head_decoder_exact_split_runs_the_exact_head_split(tmp_path, monkeypatc
     out = tmp_path / "h.json"
     assert head_decoder.main([*argv, "--variants", "exact-split", "--json", str(out)]) == 0
     assert split and set(split) == {3}
-    split.clear()
-    assert head_decoder.main([*argv, "--variants", "exact"]) == 0
-    assert not split
-    assert json.loads(out.read_text())["machine"]["bf16_products"] is True
-    assert not loss_head.SPLIT_ONEDNN and loss_head.exact_products(torch.device("cpu")) == "fp32"
+    for name in ("exact", "exact-fp32"):
+        split.clear()
+        assert head_decoder.main([*argv, "--variants", name]) == 0
+        assert not split, name
+    machine = json.loads(out.read_text())["machine"]
+    assert machine["bf16_products"] is True and machine["split_timings"] == {"32": [3.0, 1.0]}
+    assert loss_head.SPLIT_ONEDNN == "auto" and loss_head.exact_products(torch.device("cpu"), 32) == "fp32"
 
 
 def test_native_check_script_is_valid_and_calls_existing_tools():

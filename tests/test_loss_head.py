@@ -726,12 +726,16 @@ def _onednn_matmuls(capfd):
     lines += [ln for ln in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in ln]
 
 
+@pytest.mark.parametrize("mode", [True, "auto"])
 @pytest.mark.parametrize("ahead", ["", "hw"])
-def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch, capfd, small_blocks, small_ahead):
-    """The exact op where oneDNN runs FP32 GEMMs' products in BF16 (AMX), recomputing and one
-    pass: three GEMMs for each FP32 one the op runs elsewhere (by the profiler), every one
-    handed to oneDNN in that mode (oneDNN's log of what it executed); the loss within 1e-3
-    nats and the gradients within 1e-4 of FP64's."""
+def test_exact_head_with_bf16_products_runs_every_gemm_split(
+    ahead, mode, monkeypatch, capfd, small_blocks, small_ahead
+):
+    """The exact op where oneDNN runs FP32 GEMMs' products in BF16 (AMX) and the split is
+    chosen (always, or by its timing at this width, here as if 3x faster), recomputing and
+    one pass: three GEMMs for each FP32 one the op runs elsewhere (by the profiler), every
+    one handed to oneDNN in that mode (oneDNN's log of what it executed); the loss within
+    1e-3 nats and the gradients within 1e-4 of FP64's."""
     h, w, t, ref, ref_grads = _trained_size_head()
     vocab = w.shape[0]
 
@@ -753,7 +757,8 @@ def test_exact_head_with_bf16_products_runs_every_gemm_split(ahead, monkeypatch,
     loss_head.exact_products(torch.device("cpu"))
     _, _, fp32_gemms, _, _ = run()
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", True)
+    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", mode)
+    monkeypatch.setattr(loss_head, "_SPLIT_MS", {h.shape[1]: (1.0, 3.0)})
     loss, grads, gemms, large, log = run()
     assert fp32_gemms and gemms == 3 * fp32_gemms
     assert large and large <= len(log) <= gemms and all("attr-fpmath:bf16" in ln for ln in log)
@@ -814,29 +819,79 @@ def test_a_split_is_one_generated_kernel_into_storage_the_blocks_reuse(kind, fre
     assert wt[0].t().is_contiguous()
 
 
-def test_exact_head_on_cpu_is_one_fp32_gemm_unless_the_split_is_asked_for(monkeypatch):
+def test_exact_head_on_cpu_is_one_fp32_gemm_where_the_split_does_not_run_or_pay(monkeypatch):
     """No CPU GEMM of BF16 matrices writes FP32 (torch 2.13: ``mm`` with ``out_dtype`` has no
-    CPU kernel), and the split through oneDNN's BF16 products is off until measured on AMX:
-    on any CPU the exact product is one plain FP32 GEMM. Asked for (``SPLIT_ONEDNN``), it is
-    three on a CPU whose oneDNN honours the mode, still one elsewhere."""
+    CPU kernel): on a CPU the exact product is one plain FP32 GEMM unless oneDNN honours BF16
+    products and the split is chosen (``SPLIT_ONEDNN``: True, or "auto" where it measures
+    faster); then it is three GEMMs of BF16 values under that mode, the mode restored after."""
     cpu = torch.device("cpu")
-    assert not loss_head._split_native(cpu) and loss_head.exact_products(cpu) == "fp32"
+    assert not loss_head._split_native(cpu) and loss_head.SPLIT_ONEDNN == "auto"
     one = torch.ones(2, 2, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, NotImplementedError)):
         torch.mm(one, one, out_dtype=torch.float32)
     before = _precision()
-    for asked in (False, True):
+    monkeypatch.setattr(loss_head, "_SPLIT_MS", {128: (1.0, 3.0)})  # as if the split measured 3x faster
+    for asked in (False, "auto", True):
         monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", asked)
-        kind = loss_head.exact_products(cpu)  # probed before the spy counts
+        kind = loss_head.exact_products(cpu, 128)  # probed before the spy counts
         with _GemmSpy() as spy:
             loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
         assert _precision() == before
         if kind == "fp32":
+            assert not (asked and loss_head.bf16_products_native(cpu))
             ((op, a, b, precision),) = spy.gemms
             assert op is torch.ops.aten.mm and a.dtype == b.dtype == torch.float32 and precision == before
         else:
             assert asked and loss_head.bf16_products_native(cpu) and len(spy.gemms) == 3
             assert all(_bf16_valued(a) and _bf16_valued(b) and p == "bf16" for _, a, b, p in spy.gemms)
+
+
+def test_auto_split_is_chosen_by_timing_one_block_once_per_width(monkeypatch, caplog):
+    """``SPLIT_ONEDNN="auto"`` where oneDNN honours BF16 products: the first call for a head
+    width times one block split and as one FP32 GEMM, and splits only where that is
+    ``SPLIT_GAIN`` x faster; one timing per width; no decision without a width or while
+    compiling. Timed for real on this machine with the probe forced: oneDNN here runs the
+    "BF16" products in FP32, so the split is three FP32 GEMMs and a pass against one GEMM and
+    the timing must refuse it."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "_SPLIT_MS", {})
+    monkeypatch.setattr(loss_head, "SPLIT_TIMED_BLOCK", (256, 1024))
+    with caplog.at_level("INFO", logger="amp_compiler"):
+        assert loss_head.exact_products(cpu, 64) == "fp32"
+    split_ms, fp32_ms = loss_head.split_timings()[64]
+    assert split_ms > 1.5 * fp32_ms and "width 64: split" in caplog.text
+    timed = []
+
+    def fake(width):
+        timed.append(width)
+        return {128: (1.0, 2.0), 96: (1.0, 1.05)}[width]
+
+    monkeypatch.setattr(loss_head, "_time_split", fake)
+    assert [loss_head.exact_products(cpu, w) for w in (128, 128, 96, 96)] == ["split-onednn"] * 2 + ["fp32"] * 2
+    assert timed == [128, 96]
+    assert loss_head.exact_products(cpu) == loss_head.exact_products(cpu, 32, measure=False) == loss_head.UNDECIDED
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert loss_head.exact_products(cpu, 48) == loss_head.UNDECIDED and timed == [128, 96]
+
+
+def test_the_plan_says_how_the_exact_head_multiplies(monkeypatch):
+    """The exact head's plan row names its GEMMs: FP32 where oneDNN runs no BF16 products; where
+    it does and the split is "auto", decided at the first step until a step has timed this
+    width, then the choice made (a later compile reads it)."""
+
+    def how():
+        backend, *_ = _run(Decoder("hf"), "exact")
+        (row,) = [n.reason for n in backend.nodes if "projection" in n.reason and "exact" in n.reason]
+        return row
+
+    assert ": FP32 projection" in how() or loss_head.bf16_products_native(torch.device("cpu"))
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    monkeypatch.setattr(loss_head, "_SPLIT_MS", {})
+    monkeypatch.setattr(loss_head, "_time_split", lambda width: (1.0, 3.0))
+    assert "times faster split at the first step" in how()
+    assert loss_head.split_timings() == {D: (1.0, 3.0)}  # the step timed it
+    assert "three FP32 GEMMs of BF16 halves" in how()
 
 
 def test_the_probe_of_bf16_products_says_what_the_gemm_does(monkeypatch):

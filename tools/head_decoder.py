@@ -6,7 +6,7 @@
     python tools/head_decoder.py --json bench/head-decoder-cpu.json   # the figures, with the machine
     python tools/head_decoder.py --reuse-memory      # freed CPU memory kept for reuse (all variants)
     python tools/head_decoder.py --batch 4 --ahead-rows 2048   # the one-pass head's row blocks, set
-    python tools/head_decoder.py --variants autocast-inductor,exact,exact-split  # split exact vs FP32
+    python tools/head_decoder.py --variants autocast-inductor,exact,exact-split,exact-fp32  # AMX
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -14,9 +14,11 @@ of FP32 logits: logits spread ~16, as at step 0 of a model trained from scratch.
 interleaved in one process from the same weights, each forward + backward + AdamW: Inductor
 + autocast BF16, and ``torch.compile(backend=AmpBackend(loss_head=...))`` with the head
 as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``, unfused
-(``off``) and ``exact``; ``exact-split`` (not in the default list) is ``exact`` with its GEMMs
-split into BF16 products through oneDNN (``loss_head.SPLIT_ONEDNN``), where oneDNN honours
-that (AMX; ``machine.bf16_products`` in the JSON); elsewhere it says so and is left out.
+(``off``) and ``exact``. Where oneDNN runs FP32 GEMMs' products in BF16 (AMX;
+``machine.bf16_products`` in the JSON) ``exact`` splits its GEMMs into BF16 products where one
+block times faster so (``machine.split_timings``); ``exact-split`` and ``exact-fp32`` (not in
+the default list) always and never do (``loss_head.SPLIT_ONEDNN``); elsewhere they are left
+out, saying why.
 Prints median step times, the ratio to
 Inductor + autocast, the bytes autograd saves for backward, and on CUDA each step's peak memory.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -40,14 +43,15 @@ from amp_compiler import AmpBackend, loss_head
 from amp_compiler.atomic import write_text
 
 VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
-NAMED = ("exact-split",)  # only by --variants
+# only by --variants: the exact head with its GEMMs always split into BF16 products through
+# oneDNN, or never (``loss_head.SPLIT_ONEDNN``); ``exact`` lets its timing choose
+NAMED = {"exact-split": True, "exact-fp32": False}
 
 
 @contextlib.contextmanager
-def _exact_split():
-    """The exact head's GEMMs split into BF16 products through oneDNN (``SPLIT_ONEDNN``)."""
+def _split_onednn(mode):
     before = loss_head.SPLIT_ONEDNN
-    loss_head.SPLIT_ONEDNN = True
+    loss_head.SPLIT_ONEDNN = mode
     try:
         yield
     finally:
@@ -82,13 +86,13 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
             with torch.autocast(device, dtype=torch.bfloat16):
                 return _loss(compiled(ids, labels))
     else:
-        backend = AmpBackend(loss_head="exact" if kind == "exact-split" else kind, **SAME_ALLOCATOR)
+        backend = AmpBackend(loss_head="exact" if kind in NAMED else kind, **SAME_ALLOCATOR)
         compiled = backend.compile(model)
 
         def loss():
             return _loss(compiled(ids, labels))
 
-    scope = _exact_split if kind == "exact-split" else contextlib.nullcontext
+    scope = functools.partial(_split_onednn, NAMED[kind]) if kind in NAMED else contextlib.nullcontext
 
     def step():
         with scope():
@@ -142,12 +146,13 @@ def main(argv=None) -> int:
         loss_head.AHEAD_BYTES = 0  # the rows are the floor alone
         loss_head.AHEAD_MIN_ROWS = loss_head.AHEAD_MIN_ROWS_AMX = args.ahead_rows
     kinds = [k for k in args.variants.split(",") if k]
-    if bad := [k for k in kinds if k not in VARIANTS + NAMED]:
-        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS + NAMED)}")
+    if bad := [k for k in kinds if k not in (*VARIANTS, *NAMED)]:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join((*VARIANTS, *NAMED))}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if "exact-split" in kinds and not loss_head.bf16_products_native(torch.device(device)):
-        print("exact-split left out: oneDNN runs no FP32 GEMM's products in BF16 here (it does with AMX)")
-        kinds.remove("exact-split")
+    for k in [k for k in kinds if k in NAMED]:
+        if not loss_head.bf16_products_native(torch.device(device)):
+            print(f"{k} left out: oneDNN runs no FP32 GEMM's products in BF16 here (it does with AMX)")
+            kinds.remove(k)
     batch = args.batch or (8 if device == "cuda" else 2)
     torch.manual_seed(0)
     base = Decoder(args.vocab, args.d, args.layers, args.seq, args.returns_logits).to(device)
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
             times[k].append(time.perf_counter() - t)
     ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    exact = loss_head.exact_products(torch.device(device))
+    exact = loss_head.exact_products(torch.device(device), args.d, measure=False)
     print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}, exact: {exact}")
     results = {}
     for k in kinds:

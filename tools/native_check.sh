@@ -40,9 +40,10 @@ step head-decoder-rows-2048 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 -
     --variants autocast-inductor,fused,off --ahead-rows 2048 --json "$OUT/head-decoder-rows-2048.json"
 step head-decoder-rows-4096 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 --reuse-memory \
     --variants autocast-inductor,fused,off --ahead-rows 4096 --json "$OUT/head-decoder-rows-4096.json"
-# the exact head: FP32 GEMMs (the default) against split BF16 products through oneDNN (AMX)
+# the exact head as its timing chooses, against split BF16 products through oneDNN and FP32
+# GEMMs (AMX; the JSON's machine.split_timings: what the timing found)
 step head-decoder-exact 600 "$PY" tools/head_decoder.py --reps 7 --reuse-memory \
-    --variants autocast-inductor,auto,exact,exact-split --json "$OUT/head-decoder-exact.json"
+    --variants autocast-inductor,auto,exact,exact-split,exact-fp32 --json "$OUT/head-decoder-exact.json"
 step trl-sft 900 "$PY" tools/trl_bench.py
 grep -h "TRL SFT" "$OUT/trl-sft.log" | tee -a "$OUT/steps.txt"
 echo "figures in $OUT; render a table with: $PY tools/bench.py --table $OUT/bench.json"

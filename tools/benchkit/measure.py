@@ -216,7 +216,7 @@ def gemm_flops_by_dtype(
         v = HEAD_WORKLOADS.get(workload, size["vocab"])
         head = 6 * size["batch"] * size["seq"] * size["d"] * v
         parts = {dtype: flops - head}
-        low, head_flops = ("fp32", head) if exact == "fp32" else ("bf16", 3 * head)
+        low, head_flops = ("bf16", 3 * head) if exact in ("split", "split-onednn") else ("fp32", head)
         parts[low] = parts.get(low, 0) + head_flops
         return parts
     return {dtype: flops}
@@ -286,7 +286,7 @@ def run_workload(workload, size, dtype, device, reps, steps, variants, log, peak
             r["plan"] = {"nodes": s["nodes"], "casts": s["casts"], "cast_bytes": s["cast_bytes"]}
         if flops:
             r["tflops"] = flops / (r["step_ms"] / 1e3) / 1e12
-            exact = loss_head.exact_products(torch.device(device))
+            exact = loss_head.exact_products(torch.device(device), size["d"], measure=False)
             r["roofline"] = roofline(v.name, workload, size, flops, r["step_ms"], dtype, peak_tflops or {}, exact)
         if flops and device == "cuda":
             peak = next((p for k, p in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
@@ -335,8 +335,10 @@ def machine(device: str, dtype: str, reason: str) -> dict:
         "dtype_reason": reason,
         "command": " ".join(["python"] + sys.argv),
         "cpu_memory": _allocator(),
-        "exact_products": loss_head.exact_products(torch.device(device)),
+        "exact_products": loss_head.exact_products(torch.device(device), measure=False),
         "bf16_products": loss_head.bf16_products_native(torch.device(device)),
+        # per head width the exact head ran at: one block's GEMM split and FP32, in ms
+        "split_timings": {str(w): list(ms) for w, ms in loss_head.split_timings().items()},
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
