@@ -223,13 +223,16 @@ def exact_products(device: torch.device, width: int | None = None, measure: bool
     BF16 GEMMs writing FP32), "split-onednn" (the same as FP32 GEMMs whose products oneDNN
     runs in BF16, where it honours that and ``SPLIT_ONEDNN`` chooses it) or "fp32". Under
     "auto" the first call for a width times the two (``split_timings``); ``UNDECIDED`` where
-    it may not measure (no width, ``measure`` False, or inside a compile)."""
+    it may not measure (no width, ``measure`` False, or inside a compile); "fp32" where
+    ``torch.use_deterministic_algorithms`` is on (a timing could choose differently next run)."""
     if _split_native(device):
         return "split"
     if SPLIT_ONEDNN is False or not bf16_products_native(device):
         return "fp32"
     if SPLIT_ONEDNN is True:
         return "split-onednn"
+    if torch.are_deterministic_algorithms_enabled():
+        return "fp32"
     if width not in _SPLIT_MS:
         if width is None or not measure or torch.compiler.is_compiling():
             return UNDECIDED

@@ -850,9 +850,9 @@ def test_auto_split_is_chosen_by_timing_one_block_once_per_width(monkeypatch, ca
     """``SPLIT_ONEDNN="auto"`` where oneDNN honours BF16 products: the first call for a head
     width times one block split and as one FP32 GEMM, and splits only where that is
     ``SPLIT_GAIN`` x faster; one timing per width; no decision without a width or while
-    compiling. Timed for real on this machine with the probe forced: oneDNN here runs the
-    "BF16" products in FP32, so the split is three FP32 GEMMs and a pass against one GEMM and
-    the timing must refuse it."""
+    compiling; FP32, untimed, where deterministic algorithms are asked for. Timed for real
+    on this machine with the probe forced: oneDNN here runs the "BF16" products in FP32, so
+    the split is three FP32 GEMMs and a pass against one GEMM and the timing must refuse it."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
     monkeypatch.setattr(loss_head, "_SPLIT_MS", {})
@@ -871,6 +871,9 @@ def test_auto_split_is_chosen_by_timing_one_block_once_per_width(monkeypatch, ca
     assert [loss_head.exact_products(cpu, w) for w in (128, 128, 96, 96)] == ["split-onednn"] * 2 + ["fp32"] * 2
     assert timed == [128, 96]
     assert loss_head.exact_products(cpu) == loss_head.exact_products(cpu, 32, measure=False) == loss_head.UNDECIDED
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert loss_head.exact_products(cpu, 128) == loss_head.exact_products(cpu, 40) == "fp32"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert loss_head.exact_products(cpu, 48) == loss_head.UNDECIDED and timed == [128, 96]
 
