@@ -313,6 +313,35 @@ def test_head_decoder_exact_variants_split_as_they_say(tmp_path, monkeypatch, ca
     assert loss_head.SPLIT_ONEDNN == "auto" and loss_head.exact_products(torch.device("cpu"), 32) == "fp32"
 
 
+def test_head_decoder_split_twin_runs_the_split_as_fp32_gemms_where_it_is_not_real(tmp_path, monkeypatch):
+    """``--split-twin`` on a CPU whose oneDNN runs no BF16 products: ``exact-split`` runs (three
+    GEMMs to a product under the mode, by what executed), the JSON says it was the twin and
+    keeps the machine's real answer, and the probe is the real one again after; refused where
+    the split is real."""
+    import head_decoder
+
+    argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
+    probe, split, mode = loss_head.bf16_products_native, [], loss_head._bf16_products
+
+    @contextlib.contextmanager
+    def counted():
+        with mode(), torch.profiler.profile() as prof:
+            yield
+        split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
+
+    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    out = tmp_path / "twin.json"
+    assert head_decoder.main([*argv, "--split-twin", "--variants", "exact-split", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert split and set(split) == {3} and "exact-split" in report["variants"]
+    assert report["split_twin"] is True and report["machine"]["bf16_products"] is False
+    assert loss_head.bf16_products_native is probe
+    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
+    with pytest.raises(SystemExit, match="here the split is real"):
+        head_decoder.main([*argv, "--split-twin"])
+
+
 def test_native_check_script_is_valid_and_calls_existing_tools():
     """tools/native_check.sh (the native-BF16 figures in one command): valid bash, and every
     tool and option it runs exists (a renamed flag would fail only on the machine it is for)."""

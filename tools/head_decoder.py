@@ -7,6 +7,7 @@
     python tools/head_decoder.py --reuse-memory      # freed CPU memory kept for reuse (all variants)
     python tools/head_decoder.py --batch 4 --ahead-rows 2048   # the one-pass head's row blocks, set
     python tools/head_decoder.py --variants autocast-inductor,exact,exact-split,exact-fp32  # AMX
+    python tools/head_decoder.py --split-twin --variants exact,exact-split,exact-fp32  # no AMX
 
 A 50257-entry ``nn.Embedding`` (default init, std 1) tied to the head as
 ``h @ emb.weight.t()``, two ``nn.TransformerEncoderLayer``s (d=256, causal), ``F.cross_entropy``
@@ -18,7 +19,9 @@ as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``,
 ``machine.bf16_products`` in the JSON) ``exact`` splits its GEMMs into BF16 products where one
 block times faster so (``machine.split_timings``); ``exact-split`` and ``exact-fp32`` (not in
 the default list) always and never do (``loss_head.SPLIT_ONEDNN``); elsewhere they are left
-out, saying why.
+out, saying why, unless ``--split-twin`` runs the split there anyway: its GEMMs then compute in
+FP32, so it measures the split's structure (three GEMMs and a pass per block against one
+GEMM), never AMX's speed.
 Prints median step times, the ratio to
 Inductor + autocast, the bytes autograd saves for backward, and on CUDA each step's peak memory.
 """
@@ -138,7 +141,26 @@ def main(argv=None) -> int:
         type=int,
         help="tokens per row block of the one-pass fused head (default: amp's choice, by bytes of logits)",
     )
+    p.add_argument(
+        "--split-twin",
+        action="store_true",
+        help="on a CPU without BF16 products, run the split anyway as FP32 GEMMs (its structure's cost)",
+    )
     args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    native = loss_head.bf16_products_native(torch.device(device))
+    if args.split_twin and (device != "cpu" or native):
+        raise SystemExit("--split-twin: only on a CPU whose oneDNN runs no BF16 products; here the split is real")
+    probe = loss_head.bf16_products_native
+    if args.split_twin:
+        loss_head.bf16_products_native = lambda device: True
+    try:
+        return _main(args, device, native)
+    finally:
+        loss_head.bf16_products_native = probe
+
+
+def _main(args, device: str, native: bool) -> int:
     reuse_memory(args.reuse_memory)
     if args.ahead_rows is not None:
         if args.ahead_rows < 1:
@@ -148,7 +170,6 @@ def main(argv=None) -> int:
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in (*VARIANTS, *NAMED)]:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join((*VARIANTS, *NAMED))}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     for k in [k for k in kinds if k in NAMED]:
         if not loss_head.bf16_products_native(torch.device(device)):
             print(f"{k} left out: oneDNN runs no FP32 GEMM's products in BF16 here (it does with AMX)")
@@ -190,6 +211,7 @@ def main(argv=None) -> int:
     ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     exact = loss_head.exact_products(torch.device(device), args.d, measure=False)
+    exact += " (split twin: its products computed in FP32 here)" if args.split_twin else ""
     print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}, exact: {exact}")
     results = {}
     for k in kinds:
@@ -216,7 +238,9 @@ def main(argv=None) -> int:
         itemsize = loss_head.ahead_itemsize(torch.device(device), torch.bfloat16, exact=False)
         size["ahead_rows"] = loss_head.ahead_shape(batch * args.seq, args.vocab, itemsize, device)[0]
         report = {"machine": machine(device, "bf16", "the head's variants in BF16"), "size": size}
+        report["machine"]["bf16_products"] = native  # not the twin's play
         report["returns_logits"], report["variants"] = args.returns_logits, results
+        report["split_twin"] = args.split_twin
         write_text(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
