@@ -275,6 +275,20 @@ def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
         head_decoder.main([*argv, "--ahead-rows", "0"])
 
 
+def _split_gemms(monkeypatch) -> list[int]:
+    """GEMMs run under oneDNN's BF16 products, a count per time the mode is switched on."""
+    split, mode = [], loss_head._bf16_products
+
+    @contextlib.contextmanager
+    def counted():
+        with mode(), torch.profiler.profile() as prof:
+            yield
+        split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
+
+    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    return split
+
+
 def test_head_decoder_exact_variants_split_as_they_say(tmp_path, monkeypatch, capsys):
     """``exact-split`` runs the exact head's GEMMs split through oneDNN's BF16 products (played
     here: the mode honoured), three to a product under that mode, ``exact-fp32`` none, and
@@ -292,15 +306,7 @@ def test_head_decoder_exact_variants_split_as_they_say(tmp_path, monkeypatch, ca
         assert f"{name} left out" in printed and f"{name}: " not in printed
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
     monkeypatch.setattr(loss_head, "_SPLIT_MS", {32: (3.0, 1.0)})
-    split, mode = [], loss_head._bf16_products
-
-    @contextlib.contextmanager
-    def counted():
-        with mode(), torch.profiler.profile() as prof:
-            yield
-        split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
-
-    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    split = _split_gemms(monkeypatch)
     out = tmp_path / "h.json"
     assert head_decoder.main([*argv, "--variants", "exact-split", "--json", str(out)]) == 0
     assert split and set(split) == {3}
@@ -322,15 +328,7 @@ def test_head_decoder_split_twin_runs_the_split_as_fp32_gemms_where_it_is_not_re
 
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
-    probe, split, mode = loss_head.bf16_products_native, [], loss_head._bf16_products
-
-    @contextlib.contextmanager
-    def counted():
-        with mode(), torch.profiler.profile() as prof:
-            yield
-        split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
-
-    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    probe, split = loss_head.bf16_products_native, _split_gemms(monkeypatch)
     out = tmp_path / "twin.json"
     assert head_decoder.main([*argv, "--split-twin", "--variants", "exact-split", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -211,8 +211,9 @@ def _main(args, device: str, native: bool) -> int:
     ref = statistics.median(times["autocast-inductor"]) if "autocast-inductor" in times else None
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     exact = loss_head.exact_products(torch.device(device), args.d, measure=False)
-    exact += " (split twin: its products computed in FP32 here)" if args.split_twin else ""
-    print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}, exact: {exact}")
+    twin = " (split twin: its products computed in FP32 here)" if args.split_twin else ""
+    print(f"{where}, torch {torch.__version__}, {batch} x {args.seq} tokens, vocabulary {args.vocab}", end="")
+    print(f", exact: {exact}{twin}")
     results = {}
     for k in kinds:
         ms = statistics.median(times[k]) * 1e3
@@ -239,6 +240,7 @@ def _main(args, device: str, native: bool) -> int:
         size["ahead_rows"] = loss_head.ahead_shape(batch * args.seq, args.vocab, itemsize, device)[0]
         report = {"machine": machine(device, "bf16", "the head's variants in BF16"), "size": size}
         report["machine"]["bf16_products"] = native  # not the twin's play
+        report["machine"]["exact_products"] = exact  # at this head's width
         report["returns_logits"], report["variants"] = args.returns_logits, results
         report["split_twin"] = args.split_twin
         write_text(args.json, json.dumps(report, indent=1) + "\n")
