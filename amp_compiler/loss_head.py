@@ -26,8 +26,9 @@ writes FP32), the chain (scale, soft-cap), log-sum-exp and gather in FP32. ``w``
 FP32 master weight, cast a block at a time: no 16-bit copy of it is kept, and its gradient
 is returned in FP32. ``exact``: the projection and its gradients to FP32's accuracy, as split
 BF16 products (three BF16 GEMMs accumulating and writing FP32) where the machine has such a
-GEMM (CUDA's ``mm`` with ``out_dtype``; on CPU, where asked, ``SPLIT_ONEDNN``, oneDNN's FP32
-GEMM with its products in BF16, which AMX runs), else in FP32.
+GEMM (CUDA's ``mm`` with ``out_dtype``; on CPU oneDNN's FP32 GEMM with its products in BF16,
+which AMX runs, where ``SPLIT_ONEDNN`` chooses it: by default where one block times faster
+so), else in FP32.
 """
 
 from __future__ import annotations
@@ -696,13 +697,14 @@ def _add_block_grads(dl, hc, wc, cols, dh_rows, dw, db, exact: _Exact | None, fi
     into the weight's gradient rows ``cols`` (written, not added, where ``first``), and its
     column sums into the bias's (``db``, empty without one). The sums are a GEMV: as a
     reduction over the rows in the generated kernel (or ATen's ``sum(0)``) they made it 5x
-    slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7). Exact: the
-    operands not split yet are split, each once for both of its products."""
+    slower (18.6 against 3.8 ms a 2048 x 4096 block, 2-core CPU; the GEMV 2.7). Exact: ``dl``
+    is split once for both of its products (the callers split ``hc`` and ``wc`` once for all
+    of theirs)."""
     if db.numel():
         db[cols] += torch.mv(dl.t(), dl.new_ones(dl.shape[0]))
     mm = exact.mm if exact else torch.mm
     if exact:
-        dl, hc, wc = exact.operand(dl, "dl"), exact.operand(hc, "a"), exact.operand(wc, "b")
+        dl = exact.operand(dl, "dl")
     if dh_rows.numel():
         dh_rows.add_(mm(dl, wc))
     if not dw.numel():

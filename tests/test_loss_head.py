@@ -409,20 +409,13 @@ def test_block_math_stays_compiled_past_dynamos_default_recompile_limit(fresh_ke
         assert any(k.startswith("## Call CompiledFxGraph") for k in ran) and "aten::exp" not in ran, chain
 
 
-class _Watching(TorchDispatchMode):
-    """A user's dispatch mode (a FLOP counter, a recorder): it only watches."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def test_block_math_under_a_dispatch_mode_runs_as_written_and_stays_compiled(fresh_kernels, caplog):
     """Dynamo refuses to trace under a dispatch mode. The ops' kernels run with the mode popped,
     but their helpers called directly (a split under a GEMM recorder) do not: such a call runs
     the math as written, warns nothing, and the next call without a mode is compiled (the
     first such call once turned compiling off for the whole process)."""
     x = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level("WARNING", logger="amp_compiler"), _Watching():
+    with caplog.at_level("WARNING", logger="amp_compiler"), _GemmSpy():
         watched = loss_head.split_operand(x, "split-onednn")
     assert not caplog.records
     loss_head.split_operand(x, "split-onednn")  # compiles
