@@ -25,6 +25,8 @@ from .options import AmpOptions, AmpOptionsError
 from .plan import GraphPlan, PrecisionPlan
 from .policy import LOW_DTYPES, AmpPolicyError
 from .policy_file import PolicyFileError, check_fingerprint, fingerprint
+from .upstream import warn_outside_tested_range
+from .upstream.torch_private import has, private
 
 log = logging.getLogger("amp_compiler")
 
@@ -85,6 +87,7 @@ class AmpBackend:
         self.owned = False
         self._breaks_warned = False
         self._reuse: ReuseRule | None = None  # reuse_cpu_memory, where no loop owns us
+        warn_outside_tested_range()
 
     def __repr__(self) -> str:
         return f"AmpBackend(dtype={self.options.dtype!r}, graphs={len(self.records)})"
@@ -159,7 +162,7 @@ class AmpBackend:
         # It becomes a region of the graph, which keeps autocast's casts, as one inside the
         # model would; amp adds its own. Its dtype is the one asked for where amp's is "auto".
         autocast_region(gm, device.type, LOW_DTYPES[around])
-        with torch._C._DisableAutocast():  # amp traces it as a region; its probe times FP32
+        with private("torch._C._DisableAutocast")():  # amp traces it as a region; its probe times FP32
             try:
                 record = self._rewrite_as(gm, example_inputs, opts, device, around)
                 warn_autocast_around(device, around, record.dtype)
@@ -317,8 +320,9 @@ class AmpBackend:
         function, so a process training several model classes recompiles that one code once per
         class: past Dynamo's limit of 8 it would run them as written (refused by the coverage
         check); amp's compiles allow 64."""
-        limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True, recompile_limit=limit)
+        config = private("torch._dynamo.config")
+        limit = max(config.recompile_limit, 64)
+        return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True, recompile_limit=limit)
 
     def compile(self, fn: Callable) -> Callable:
         """``torch.compile(fn, backend=self)``, called under ``tracing()``. Called from code
@@ -350,13 +354,13 @@ def _with_policy(reason: str, opts: AmpOptions) -> str:
 
 def _saved_tensors_hooks_off():
     """What AOTAutograd does while it traces (torch/_functorch/aot_autograd.py)."""
-    off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
-    return off() if off is not None else contextlib.nullcontext()
+    path = "torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing"
+    return private(path)() if has(path) else contextlib.nullcontext()
 
 
 def _compiled_autograd_graph() -> bool:
     """Whether Dynamo is compiling compiled autograd's backward graph, not a forward."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    compile_id = private("torch._guards.CompileContext").current_compile_id()
     return getattr(compile_id, "compiled_autograd_id", None) is not None
 
 
@@ -385,7 +389,7 @@ _RECOMPILE_FILTER = _RecompileLimitFilter()
 
 
 def _watch_recompile_limit() -> None:
-    logger = logging.getLogger("torch._dynamo.convert_frame")
+    logger = private("torch._dynamo.convert_frame.log")
     if _RECOMPILE_FILTER not in logger.filters:
         logger.addFilter(_RECOMPILE_FILTER)
 

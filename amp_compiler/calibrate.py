@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from .atomic import write_text
 from .backend import AmpBackend
@@ -32,6 +31,7 @@ from .compare import FP16_MAX, NodeError, pin_of, side_by_side
 from .meta import info
 from .plan import PrecisionPlan
 from .policy_file import FORMAT, VERSION, fingerprint, with_pins
+from .upstream.torch_private import pytree
 
 __all__ = ["Calibration", "Pin", "calibrate"]
 _MATMULS = (
@@ -166,7 +166,7 @@ def _measure(model, batches, dtype, options, loss_fn) -> Measure:
     """Output errors on every batch; node errors (and the plan) on the first."""
     m = Measure(0.0, False, False)
     _profile(model, *_split(batches[0]), dtype, options, m)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, backend=AmpBackend(options, dtype=dtype, inner="eager"))
     for batch in batches:  # one compile for all batches (Dynamo recompiles on a new shape)
         args, kwargs = _split(batch)
@@ -175,7 +175,7 @@ def _measure(model, batches, dtype, options, loss_fn) -> Measure:
             out = compiled(*args, **kwargs)
         pairs = [
             (a, r)
-            for a, r in zip(tree_leaves(out), tree_leaves(ref))
+            for a, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref))
             if isinstance(r, torch.Tensor) and r.is_floating_point()
         ]
         if loss_fn is not None:
@@ -183,7 +183,7 @@ def _measure(model, batches, dtype, options, loss_fn) -> Measure:
         for a, r in pairs:
             err, bad = _rel(a, r)
             m.error, m.nonfinite = max(m.error, err), m.nonfinite or bad
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return m
 
 
@@ -206,7 +206,7 @@ def _profile(model, args, kwargs, dtype, options, m: Measure) -> None:
             ):
                 m.out_of_range = True
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     run, amp = side_by_side(model, args, kwargs, dtype, options, on_graph=graph, on_run=ran)
     m.nodes.extend(run.nodes)
     m.plan = amp.plan()
@@ -333,7 +333,7 @@ def calibrate(
         )
     finally:
         model.train(was_training)
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
 
 def _fp32_share(before: Measure, after: Measure) -> float:

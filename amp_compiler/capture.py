@@ -18,19 +18,17 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._guards import TracingContext, detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
     make_fx,
     track_tensor_tree,
 )
-from torch.utils import _pytree as pytree
 
 from .fused_layers import DECOMPOSITIONS as FUSED_LAYERS
 from .hops import HopKind, outline_vmap_regions, treatment
 from .meta import REQUIRES_GRAD
+from .upstream.torch_private import FakeTensor, HigherOrderOperator, private, pytree
 
 
 def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
@@ -41,10 +39,10 @@ def fake_inputs(example_inputs: Sequence[object]) -> tuple[list, object]:
     context Dynamo recorded for them, as AOTAutograd does, so sizes stay the
     symbols Dynamo guards on.
     """
-    fake_mode = detect_fake_mode(list(example_inputs))
+    fake_mode = private("torch._guards.detect_fake_mode")(list(example_inputs))
     if fake_mode is None:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracing = TracingContext.try_get()
+        fake_mode = private("torch._subclasses.fake_tensor.FakeTensorMode")(allow_non_fake_inputs=True)
+    tracing = private("torch._guards.TracingContext").try_get()
     out = []
     for x in example_inputs:
         if isinstance(x, FakeTensor) and x.fake_mode is not fake_mode:
@@ -134,7 +132,7 @@ class _Capture(torch.fx.Interpreter):
     """Runs a Dynamo graph under make_fx, handling higher-order ops by ``hops.treatment``."""
 
     def call_function(self, target, args, kwargs):
-        if not isinstance(target, torch._ops.HigherOrderOperator):
+        if not isinstance(target, HigherOrderOperator):
             return super().call_function(target, args, kwargs)
         kind, _ = treatment(target, args[0] if args else None)
         if kind is HopKind.INLINE:
@@ -142,8 +140,7 @@ class _Capture(torch.fx.Interpreter):
             return _Capture(body).run(*operands)
         bodies = {}
         if kind is HopKind.REWRITE:
-            from torch._higher_order_ops.utils import reenter_make_fx
-
+            reenter_make_fx = private("torch._higher_order_ops.utils.reenter_make_fx")
             body, operands = args[0], args[1:]
             flat, _ = pytree.tree_flatten(operands)
             new = reenter_make_fx(lambda *a: _Capture(body).run(*a))(*flat)

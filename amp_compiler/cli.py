@@ -7,6 +7,7 @@
     amp-compiler calibrate pkg.module:factory -o amp-policy.json [--budget 1e-2]
     amp-compiler export pkg.module:factory -o model.onnx [--dtype bf16] [--target cuda]
     amp-compiler demo
+    amp-compiler env
 
 Bad arguments, a missing file or a failing factory exit with status 2 and one
 line on stderr; ``--traceback`` shows the full error instead.
@@ -98,8 +99,10 @@ def _touched(model, margs, mkwargs) -> set[int] | None:
     graph either, and is no sign of code run outside them); None when that cannot be told
     (not a module, or its eager forward fails): then nothing is said."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+
+    from .upstream.torch_private import private, pytree
+
+    TorchDispatchMode = private("torch.utils._python_dispatch.TorchDispatchMode")
 
     if not isinstance(model, torch.nn.Module):
         return None
@@ -107,7 +110,7 @@ def _touched(model, margs, mkwargs) -> set[int] | None:
 
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.update(id(a) for a in tree_leaves((args, kwargs)) if id(a) in params)
+            seen.update(id(a) for a in pytree.tree_leaves((args, kwargs)) if id(a) in params)
             return func(*args, **(kwargs or {}))
 
     try:
@@ -259,11 +262,44 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    from . import upstream
+    from .device import resolve_dtype
+    from .upstream.aten import ABSENT
+    from .version import __version__
+
+    low, high = upstream.TESTED_TORCH
+    outside = upstream.torch_range_said()
+    lines = [
+        f"amp-compiler {__version__}, Python {platform.python_version()}",
+        f"torch {torch.__version__} ({'outside' if outside else 'inside'} the tested range "
+        f"{low[0]}.{low[1]}-{high[0]}.{high[1]})",
+    ]
+    for name in ("transformers", "accelerate", "trl", "lightning", "onnx", "onnxruntime", "openvino"):
+        try:
+            lines.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    dtype, reason = resolve_dtype("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    lines.append(f'dtype="auto": {dtype} ({reason})')
+    if ABSENT:
+        lines.append(f"op table names this torch lacks (left out of the plan's tables): {', '.join(sorted(ABSENT))}")
+    print("\n".join(lines))
+    if outside:
+        sys.stderr.write(f"amp-compiler: warning: {outside}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="amp-compiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_inspect, _add_doctor, _add_calibrate, _add_export, _add_demo):
+    for add in (_add_inspect, _add_doctor, _add_calibrate, _add_export, _add_demo, _add_env):
         add(sub)
     return parser
 
@@ -380,6 +416,16 @@ def _add_demo(sub) -> None:
     )
     p.add_argument("--inner", choices=["inductor", "aot_eager", "eager"], default="inductor")
     p.set_defaults(func=cmd_demo)
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser(
+        "env",
+        help="print torch, the tested torch range and the integrations' versions",
+        description="Print the versions amp runs with, whether torch is inside the tested range (a "
+        "warning where it is not), the dtype 'auto' picks here, and op names this torch lacks.",
+    )
+    p.set_defaults(func=cmd_env)
 
 
 def main(argv: list[str] | None = None) -> int:

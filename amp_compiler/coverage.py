@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
 from .capture import tensor_attributes
+from .upstream.torch_private import FakeTensor, private
 
 log = logging.getLogger("amp_compiler")
 
@@ -192,6 +192,7 @@ def matmul_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter
 
 
 def _breaks() -> Counter:
+    counters = private("torch._dynamo.utils.counters")
     return Counter(counters["graph_break"]) + Counter(counters["unimplemented"])
 
 
@@ -207,8 +208,6 @@ def _parameters(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list
     """Trainable leaves the graph takes: Dynamo lifts the parameters it uses to inputs, or
     (install_free_tensors) holds them on the graph. A graph of only a loss on an output
     computed eagerly has none."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     inputs = list(example_inputs)
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")[: len(inputs)]):
         if isinstance(inputs[i], FakeTensor):

@@ -26,7 +26,8 @@ import enum
 import operator
 
 import torch
-from torch._ops import HigherOrderOperator
+
+from .upstream.torch_private import HigherOrderOperator
 
 
 class HopKind(str, enum.Enum):

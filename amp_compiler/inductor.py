@@ -15,6 +15,7 @@ import torch
 from amp_compiler.passes.graph_util import draws_random
 
 from .device import device_of
+from .upstream.torch_private import private
 
 log = logging.getLogger("amp_compiler")
 
@@ -56,15 +57,12 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
     if callable(inner):
         return inner
     if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
+        compile_fx = private("torch._inductor.compile_fx.compile_fx")
         from amp_compiler.inductor_passes.infra import InductorPass, InductorPasses
 
         patches = {}
         if mode and mode != "default":
-            from torch._inductor import list_mode_options
-
-            patches = dict(list_mode_options(mode))
+            patches = dict(private("torch._inductor.list_mode_options")(mode))
         # backward reads the 16-bit copies of FP32 islands that are saved anyway, and
         # recomputes comparison masks instead of saving bool tensors (slow C++ code)
         patches["joint_custom_pre_pass"] = InductorPasses(
@@ -93,10 +91,8 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
             # the partition into forward and backward happens inside this call
             budget = memory_budget_for(gm, memory_budget)
             random = {"fallback_random": True} if atens_random(ex) else {}
-            with torch._functorch.config.patch(activation_memory_budget=budget):
+            with private("torch._functorch.config").patch(activation_memory_budget=budget):
                 return compile_fx(gm, ex, config_patches={**patches, **random})
 
         return compile_
-    from torch._dynamo import lookup_backend
-
-    return lookup_backend(inner)
+    return private("torch._dynamo.lookup_backend")(inner)

@@ -42,10 +42,9 @@ import statistics
 import time
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .device import cpu_has_amx, native_dtypes
+from .upstream.torch_private import private
 
 _log = logging.getLogger("amp_compiler")
 
@@ -179,7 +178,7 @@ def bf16_products_native(device: torch.device) -> bool:
         ok = "bf16" in native_dtypes(device)[0]
         if ok:
             try:  # on real tensors, even where a compile's fake mode is active
-                with unset_fake_temporarily(), _bf16_products():
+                with private("torch._subclasses.fake_tensor.unset_fake_temporarily")(), _bf16_products():
                     a = torch.full((32, 32), 1 + 2**-10)
                     ok = torch.mm(a, torch.ones(32, 32))[0, 0].item() == 32.0
             except (RuntimeError, AttributeError):
@@ -253,7 +252,7 @@ def _time_split(width: int, reps: int = 3) -> tuple[float, float]:
     operands' halves written, three GEMMs under BF16 products) and one FP32 GEMM; medians of
     interleaved runs, after one of each (the split's kernel compiles)."""
     rows, cols = SPLIT_TIMED_BLOCK
-    with unset_fake_temporarily():
+    with private("torch._subclasses.fake_tensor.unset_fake_temporarily")():
         g = torch.Generator().manual_seed(0)
         dl, w = torch.randn(rows, cols, generator=g), torch.randn(cols, width, generator=g)
         into = {}
@@ -494,7 +493,11 @@ def _kernel(fn):
 
     def run(*args):
         nonlocal compiled
-        if compiled is fn or is_in_torch_dispatch_mode(include_infra_modes=False) or torch.compiler.is_compiling():
+        if (
+            compiled is fn
+            or private("torch.utils._python_dispatch.is_in_torch_dispatch_mode")(include_infra_modes=False)
+            or torch.compiler.is_compiling()
+        ):
             return fn(*args)
         try:
             return compiled(*args)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from .upstream.torch_private import private
 
 __all__ = ["FusedUpdate", "unsupported"]
 
@@ -49,7 +50,10 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
         devices |= {p.device for p in g["params"]}
     if len(devices) > 1:
         return f"parameters on several devices ({sorted(map(str, devices))})"
-    if devices and next(iter(devices)).type not in _get_fused_kernels_supported_devices():
+    if (
+        devices
+        and next(iter(devices)).type not in private("torch.utils._foreach_utils._get_fused_kernels_supported_devices")()
+    ):
         return f"no fused optimizer kernels for {next(iter(devices)).type}"
     return None
 
@@ -72,7 +76,7 @@ class FusedUpdate:
             raise RuntimeError("no parameter has a gradient: was backward() called?")
         grads = [p.grad for _, ps in groups for p in ps]
         scale = scale.to(device=grads[0].device, dtype=torch.float32)
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) / scale
+        total = torch.linalg.vector_norm(torch.stack(private("torch._foreach_norm")(grads))) / scale
         found = (~torch.isfinite(total)).float()  # the kernels skip when it reads 1.0
         grad_scale = scale  # what each gradient is divided by: the loss scale, and clipping
         if self.max_grad_norm is not None:
@@ -85,8 +89,9 @@ class FusedUpdate:
     @staticmethod
     def _adam(group, params, states, grad_scale, found) -> None:
         steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)
-        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+        private("torch._foreach_add_")(steps, 1)
+        adamw = group.get("decoupled_weight_decay")
+        kernel = private("torch._fused_adamw_") if adamw else private("torch._fused_adam_")
         beta1, beta2 = group["betas"]
         kernel(
             params,
@@ -105,13 +110,13 @@ class FusedUpdate:
             grad_scale=grad_scale,
             found_inf=found,
         )
-        torch._foreach_sub_(steps, [found] * len(steps))  # a skipped step does not count
+        private("torch._foreach_sub_")(steps, [found] * len(steps))  # a skipped step does not count
 
     @staticmethod
     def _sgd(group, params, states, grad_scale, found) -> None:
         # a zero momentum buffer gives the first step's buf = grad, as step() does (no dampening)
         bufs = [s["momentum_buffer"] for s in states] if group["momentum"] else []
-        torch._fused_sgd_(
+        private("torch._fused_sgd_")(
             params,
             [p.grad for p in params],
             bufs,

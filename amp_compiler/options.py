@@ -140,9 +140,7 @@ class AmpOptions:
         object.__setattr__(self, "dtype", dtype)
         if isinstance(self.inner, str):
             if self.inner not in INNER_NAMES:
-                from torch._dynamo import list_backends
-
-                if self.inner not in list_backends(exclude_tags=()):
+                if self.inner not in torch.compiler.list_backends(exclude_tags=()):
                     raise AmpOptionsError(
                         f"inner={self.inner!r} is not a torch.compile backend; use one of "
                         f"{INNER_NAMES}, another registered backend name, or a callable "

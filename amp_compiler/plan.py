@@ -34,6 +34,7 @@ import torch
 from .hops import is_hop, rewritten_bodies
 from .meta import dtype_name, info
 from .policy import Precision
+from .upstream.torch_private import OpOverload
 
 SCHEMA = "amp_compiler.plan/1"
 
@@ -101,7 +102,7 @@ class GraphPlan:
                     )
                 )
                 continue
-            if not (isinstance(node.target, torch._ops.OpOverload) or is_hop(node)):
+            if not (isinstance(node.target, OpOverload) or is_hop(node)):
                 continue
             if i.unknown:
                 unknown[i.op] += 1

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-aten = torch.ops.aten
+from amp_compiler.upstream.aten import aten, present
+
+from .upstream.torch_private import OpOverload, OpOverloadPacket
 
 
 class Precision(str, enum.Enum):
@@ -43,7 +45,7 @@ class AmpPolicyError(RuntimeError):
 # kernel (tensor cores, oneDNN), so 16-bit inputs cost <0.1% accuracy and halve
 # memory traffic. Attention variants are here because their kernels keep the
 # softmax statistics in FP32 internally.
-LOW_OPS = frozenset(
+LOW_OPS = present(
     {
         aten.mm,
         aten.bmm,
@@ -85,227 +87,239 @@ LOW_OPS = frozenset(
 
 # FP32, normalisation and softmax: they sum over a whole row or channel and
 # divide by the result; 16-bit sums lose the small terms and the statistics.
-_FP32_NORMS = {
-    aten.softmax,
-    aten.log_softmax,
-    aten._softmax,
-    aten._log_softmax,
-    aten._masked_softmax,
-    aten._safe_softmax,
-    aten.layer_norm,
-    aten.native_layer_norm,
-    aten.group_norm,
-    aten.native_group_norm,
-    aten.batch_norm,
-    aten.native_batch_norm,
-    aten._native_batch_norm_legit,
-    aten._native_batch_norm_legit_no_training,
-    aten._native_batch_norm_legit_functional,
-    aten.instance_norm,
-    aten.rms_norm,
-    aten._fused_rms_norm,
-    aten.norm,
-    aten.linalg_vector_norm,
-    aten.frobenius_norm,
-    aten.renorm,
-    aten._weight_norm,
-    aten._weight_norm_interface,
-    aten.linalg_norm,
-    aten.linalg_matrix_norm,
-    aten.nuclear_norm,
-    aten.embedding_renorm,
-    aten.batch_norm_stats,
-    aten.cdist,
-    aten.dist,
-    aten.pdist,
-    aten.cosine_similarity,
-    aten.pairwise_distance,
-}
+_FP32_NORMS = present(
+    {
+        aten.softmax,
+        aten.log_softmax,
+        aten._softmax,
+        aten._log_softmax,
+        aten._masked_softmax,
+        aten._safe_softmax,
+        aten.layer_norm,
+        aten.native_layer_norm,
+        aten.group_norm,
+        aten.native_group_norm,
+        aten.batch_norm,
+        aten.native_batch_norm,
+        aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_no_training,
+        aten._native_batch_norm_legit_functional,
+        aten.instance_norm,
+        aten.rms_norm,
+        aten._fused_rms_norm,
+        aten.norm,
+        aten.linalg_vector_norm,
+        aten.frobenius_norm,
+        aten.renorm,
+        aten._weight_norm,
+        aten._weight_norm_interface,
+        aten.linalg_norm,
+        aten.linalg_matrix_norm,
+        aten.nuclear_norm,
+        aten.embedding_renorm,
+        aten.batch_norm_stats,
+        aten.cdist,
+        aten.dist,
+        aten.pdist,
+        aten.cosine_similarity,
+        aten.pairwise_distance,
+    }
+)
 # FP32, reductions: a long 16-bit sum stops growing once the partial sum
 # dwarfs each term (BF16 has 8 bits of mantissa). A global average pool is a
 # reduction over the whole feature map.
-_FP32_REDUCTIONS = {
-    aten.sum,
-    aten.mean,
-    aten.var,
-    aten.std,
-    aten.var_mean,
-    aten.std_mean,
-    aten.prod,
-    aten.cumsum,
-    aten.cumprod,
-    aten.logsumexp,
-    aten.logcumsumexp,
-    aten.nansum,
-    aten.nanmean,
-    aten.histc,
-    aten.bincount,
-    aten.trace,
-    aten.quantile,
-    aten.nanquantile,
-    aten.segment_reduce,
-    aten._segment_reduce_backward,
-    # a bag's sum or mean over its rows (EmbeddingBag)
-    aten.embedding_bag,
-    aten._embedding_bag,
-    aten._embedding_bag_forward_only,
-    aten.adaptive_avg_pool1d,
-    aten.adaptive_avg_pool2d,
-    aten.adaptive_avg_pool3d,
-    aten._adaptive_avg_pool2d,
-}
+_FP32_REDUCTIONS = present(
+    {
+        aten.sum,
+        aten.mean,
+        aten.var,
+        aten.std,
+        aten.var_mean,
+        aten.std_mean,
+        aten.prod,
+        aten.cumsum,
+        aten.cumprod,
+        aten.logsumexp,
+        aten.logcumsumexp,
+        aten.nansum,
+        aten.nanmean,
+        aten.histc,
+        aten.bincount,
+        aten.trace,
+        aten.quantile,
+        aten.nanquantile,
+        aten.segment_reduce,
+        aten._segment_reduce_backward,
+        # a bag's sum or mean over its rows (EmbeddingBag)
+        aten.embedding_bag,
+        aten._embedding_bag,
+        aten._embedding_bag_forward_only,
+        aten.adaptive_avg_pool1d,
+        aten.adaptive_avg_pool2d,
+        aten.adaptive_avg_pool3d,
+        aten._adaptive_avg_pool2d,
+    }
+)
 # FP32, range-expanding math: outputs span far more orders of magnitude than
 # inputs (exp overflows FP16 above 11), and periodic functions need every bit
 # of a large argument (rotary embeddings at position 4096).
-_FP32_MATH = {
-    aten.exp,
-    aten.exp2,
-    aten.expm1,
-    aten.log,
-    aten.log2,
-    aten.log10,
-    aten.log1p,
-    aten.pow,
-    aten.square,
-    aten.rsqrt,
-    aten.reciprocal,
-    aten.erfinv,
-    aten.sinh,
-    aten.cosh,
-    aten.tan,
-    aten.acos,
-    aten.asin,
-    aten.sin,
-    aten.cos,
-    aten.lgamma,
-    aten.digamma,
-    aten.polygamma,
-    aten.xlogy,
-    aten.special_xlog1py,
-    aten.logit,
-    aten.logaddexp,
-    aten.logaddexp2,
-    aten.erfc,
-    aten.special_erfcx,
-    aten.atanh,
-    aten.asinh,
-    aten.acosh,
-    aten.sinc,
-    aten.i0,
-    aten.special_i0e,
-    aten.special_i1,
-    aten.special_i1e,
-    aten.mvlgamma,
-    aten.special_entr,
-    # dtype-dependent defaults (posinf -> the dtype's max): as the FP32 program wrote them
-    aten.nan_to_num,
-    # sampling from probabilities: 16-bit rounding moves them
-    aten.multinomial,
-}
+_FP32_MATH = present(
+    {
+        aten.exp,
+        aten.exp2,
+        aten.expm1,
+        aten.log,
+        aten.log2,
+        aten.log10,
+        aten.log1p,
+        aten.pow,
+        aten.square,
+        aten.rsqrt,
+        aten.reciprocal,
+        aten.erfinv,
+        aten.sinh,
+        aten.cosh,
+        aten.tan,
+        aten.acos,
+        aten.asin,
+        aten.sin,
+        aten.cos,
+        aten.lgamma,
+        aten.digamma,
+        aten.polygamma,
+        aten.xlogy,
+        aten.special_xlog1py,
+        aten.logit,
+        aten.logaddexp,
+        aten.logaddexp2,
+        aten.erfc,
+        aten.special_erfcx,
+        aten.atanh,
+        aten.asinh,
+        aten.acosh,
+        aten.sinc,
+        aten.i0,
+        aten.special_i0e,
+        aten.special_i1,
+        aten.special_i1e,
+        aten.mvlgamma,
+        aten.special_entr,
+        # dtype-dependent defaults (posinf -> the dtype's max): as the FP32 program wrote them
+        aten.nan_to_num,
+        # sampling from probabilities: 16-bit rounding moves them
+        aten.multinomial,
+    }
+)
 # FP32, linear algebra beyond matmul: decompositions and solves amplify rounding by
 # the condition number, and CPU has no 16-bit kernels for most of them.
-_FP32_LINALG = {
-    aten.linalg_svd,
-    aten._linalg_svd,
-    aten.svd,
-    aten.linalg_svdvals,
-    aten.linalg_qr,
-    aten.linalg_eigh,
-    aten._linalg_eigh,
-    aten.linalg_eigvalsh,
-    aten.linalg_eig,
-    aten.linalg_eigvals,
-    aten.linalg_inv,
-    aten.linalg_inv_ex,
-    aten.inverse,
-    aten.linalg_solve,
-    aten._linalg_solve_ex,
-    aten.linalg_solve_triangular,
-    aten.triangular_solve,
-    aten.linalg_lstsq,
-    aten.linalg_pinv,
-    aten.linalg_cholesky,
-    aten.linalg_cholesky_ex,
-    aten.cholesky,
-    aten.cholesky_solve,
-    aten.cholesky_inverse,
-    aten.linalg_det,
-    aten._linalg_det,
-    aten.det,
-    aten.logdet,
-    aten.slogdet,
-    aten.linalg_slogdet,
-    aten._linalg_slogdet,
-    aten.linalg_matrix_exp,
-    aten.matrix_exp,
-    aten.linalg_lu,
-    aten.linalg_lu_factor,
-    aten.linalg_lu_factor_ex,
-    aten.linalg_lu_solve,
-    aten.lu_solve,
-    aten.linalg_matrix_power,
-    aten.matrix_power,
-    aten.linalg_matrix_rank,
-    aten.linalg_cond,
-}
+_FP32_LINALG = present(
+    {
+        aten.linalg_svd,
+        aten._linalg_svd,
+        aten.svd,
+        aten.linalg_svdvals,
+        aten.linalg_qr,
+        aten.linalg_eigh,
+        aten._linalg_eigh,
+        aten.linalg_eigvalsh,
+        aten.linalg_eig,
+        aten.linalg_eigvals,
+        aten.linalg_inv,
+        aten.linalg_inv_ex,
+        aten.inverse,
+        aten.linalg_solve,
+        aten._linalg_solve_ex,
+        aten.linalg_solve_triangular,
+        aten.triangular_solve,
+        aten.linalg_lstsq,
+        aten.linalg_pinv,
+        aten.linalg_cholesky,
+        aten.linalg_cholesky_ex,
+        aten.cholesky,
+        aten.cholesky_solve,
+        aten.cholesky_inverse,
+        aten.linalg_det,
+        aten._linalg_det,
+        aten.det,
+        aten.logdet,
+        aten.slogdet,
+        aten.linalg_slogdet,
+        aten._linalg_slogdet,
+        aten.linalg_matrix_exp,
+        aten.matrix_exp,
+        aten.linalg_lu,
+        aten.linalg_lu_factor,
+        aten.linalg_lu_factor_ex,
+        aten.linalg_lu_solve,
+        aten.lu_solve,
+        aten.linalg_matrix_power,
+        aten.matrix_power,
+        aten.linalg_matrix_rank,
+        aten.linalg_cond,
+    }
+)
 # FP32, losses: the scalar the whole backward pass starts from; log-sigmoid is
 # the DPO/KTO loss.
-_FP32_LOSSES = {
-    aten.cross_entropy_loss,
-    aten.nll_loss,
-    aten.nll_loss2d,
-    aten.nll_loss_nd,
-    aten.mse_loss,
-    aten.l1_loss,
-    aten.smooth_l1_loss,
-    aten.huber_loss,
-    aten.kl_div,
-    aten.binary_cross_entropy_with_logits,
-    aten.soft_margin_loss,
-    aten.multilabel_margin_loss,
-    aten.multi_margin_loss,
-    aten.margin_ranking_loss,
-    aten.hinge_embedding_loss,
-    aten.poisson_nll_loss,
-    aten.cosine_embedding_loss,
-    aten.triplet_margin_loss,
-    aten.ctc_loss,
-    aten.log_sigmoid,
-    aten.log_sigmoid_forward,
-}
+_FP32_LOSSES = present(
+    {
+        aten.cross_entropy_loss,
+        aten.nll_loss,
+        aten.nll_loss2d,
+        aten.nll_loss_nd,
+        aten.mse_loss,
+        aten.l1_loss,
+        aten.smooth_l1_loss,
+        aten.huber_loss,
+        aten.kl_div,
+        aten.binary_cross_entropy_with_logits,
+        aten.soft_margin_loss,
+        aten.multilabel_margin_loss,
+        aten.multi_margin_loss,
+        aten.margin_ranking_loss,
+        aten.hinge_embedding_loss,
+        aten.poisson_nll_loss,
+        aten.cosine_embedding_loss,
+        aten.triplet_margin_loss,
+        aten.ctc_loss,
+        aten.log_sigmoid,
+        aten.log_sigmoid_forward,
+    }
+)
 # FP32, spectral transforms: every output sums the whole signal, and no 16-bit
 # FFT exists on CPU (on CUDA half only, at power-of-two sizes). FNet mixes its
 # tokens with one; Autoformer finds periods with another.
-_FP32_SPECTRAL = {
-    aten.fft_fft,
-    aten.fft_ifft,
-    aten.fft_fft2,
-    aten.fft_ifft2,
-    aten.fft_fftn,
-    aten.fft_ifftn,
-    aten.fft_rfft,
-    aten.fft_irfft,
-    aten.fft_rfft2,
-    aten.fft_irfft2,
-    aten.fft_rfftn,
-    aten.fft_irfftn,
-    aten.fft_hfft,
-    aten.fft_ihfft,
-    aten._fft_r2c,
-    aten._fft_c2r,
-    aten._fft_c2c,
-    aten.stft,
-    aten.istft,
-}
+_FP32_SPECTRAL = present(
+    {
+        aten.fft_fft,
+        aten.fft_ifft,
+        aten.fft_fft2,
+        aten.fft_ifft2,
+        aten.fft_fftn,
+        aten.fft_ifftn,
+        aten.fft_rfft,
+        aten.fft_irfft,
+        aten.fft_rfft2,
+        aten.fft_irfft2,
+        aten.fft_rfftn,
+        aten.fft_irfftn,
+        aten.fft_hfft,
+        aten.fft_ihfft,
+        aten._fft_r2c,
+        aten._fft_c2r,
+        aten._fft_c2c,
+        aten.stft,
+        aten.istft,
+    }
+)
 # FP32, complex numbers built from real ones: BF16 has no complex type (complex32
 # pairs FP16 halves, with few kernels), and rotary embeddings written with
 # view_as_complex (Meta's Llama) turn by angles that need every bit at large positions.
-_FP32_COMPLEX = {aten.view_as_complex, aten.polar, aten.complex}
+_FP32_COMPLEX = present({aten.view_as_complex, aten.polar, aten.complex})
 # FP32, fused layers: nn.TransformerEncoderLayer / nn.MultiheadAttention fast
 # paths (eval + no_grad) compute LayerNorm and softmax inside in their input
 # dtype. Capture writes them out (amp_compiler/fused_layers.py); the op itself
 # is left only for nested-tensor inputs, and the policy cannot split it: FP32.
-_FP32_FUSED = {aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention}
+_FP32_FUSED = present({aten._transformer_encoder_layer_fwd, aten._native_multi_head_attention})
 FP32_OPS = frozenset(
     _FP32_NORMS
     | _FP32_REDUCTIONS
@@ -321,7 +335,7 @@ FP32_OPS = frozenset(
 # floating input. Residual adds are here on purpose: `x + f(x)` with an FP32
 # residual stream and a BF16 branch stays FP32, so the stream that carries the
 # model's state through every layer never rounds to 8 bits.
-PROMOTE_OPS = frozenset(
+PROMOTE_OPS = present(
     {
         aten.add,
         aten.sub,
@@ -395,7 +409,7 @@ PROMOTE_OPS = frozenset(
 # comparisons and selection are exact. Activations are here too: pointwise with
 # output no larger than input, so a Linear -> GELU -> Linear chain stays 16-bit
 # end to end (kernels compute them in FP32 registers anyway).
-PASSTHROUGH_OPS = frozenset(
+PASSTHROUGH_OPS = present(
     {
         # views and shape
         aten.view,
@@ -640,7 +654,7 @@ PASSTHROUGH_OPS = frozenset(
 # output can grow past the input's range move to FP32 under FP16 and stay
 # PASSTHROUGH / PROMOTE under BF16. Division by a small norm or temperature,
 # and activations with an exp() inside, overflow FP16 first.
-FP16_EXTRA_FP32_OPS = frozenset(
+FP16_EXTRA_FP32_OPS = present(
     {
         aten.div,
         aten.true_divide,
@@ -689,11 +703,11 @@ TABLES: Mapping[Precision, frozenset] = {
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_op(op: object) -> torch._ops.OpOverloadPacket:
+def resolve_op(op: object) -> OpOverloadPacket:
     """Turn "aten.mm", "mm", torch.ops.aten.mm or torch.ops.aten.mm.default into a packet."""
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         return op
     if isinstance(op, str):
         text = op.removeprefix("torch.ops.").replace("::", ".")
@@ -701,7 +715,7 @@ def resolve_op(op: object) -> torch._ops.OpOverloadPacket:
         if text.count(".") == 2:  # "aten.mm.default"
             namespace, name = text.split(".")[:2]
         packet = getattr(getattr(torch.ops, namespace or "aten", None), name, None) if name else None
-        if isinstance(packet, torch._ops.OpOverloadPacket):
+        if isinstance(packet, OpOverloadPacket):
             return packet
         raise ValueError(
             f"no ATen op named {op!r}; write it as 'aten.<name>' (e.g. 'aten.mm'), "
@@ -834,6 +848,6 @@ def why(packet: object, precision: Precision, policy: Policy) -> str:
 def _functional(packet: object) -> object:
     """``aten.add_`` -> ``aten.add``: an in-place variant is decided like its functional op."""
     name = getattr(packet, "__name__", "")
-    if isinstance(packet, torch._ops.OpOverloadPacket) and name.endswith("_") and not name.startswith("_"):
-        return getattr(aten, name[:-1], packet)
+    if isinstance(packet, OpOverloadPacket) and name.endswith("_") and not name.startswith("_"):
+        return getattr(torch.ops.aten, name[:-1], packet)
     return packet

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from torch.amp import GradScaler
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from .upstream.torch_private import private
 
 log = logging.getLogger(__name__)
 _UNSCALED = ("bf16", "bfloat16", torch.bfloat16, "fp32", "float32", torch.float32)
@@ -115,7 +116,7 @@ class LossScaler(GradScaler):
         before = self._scale.clone()
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = {found_inf.device: found_inf.float()}
-        state["stage"] = OptState.STEPPED
+        state["stage"] = private("torch.amp.grad_scaler.OptState").STEPPED
         self.update()
         skipped, used, after = torch.stack(
             [found_inf.float().reshape(()), before.reshape(()), self._scale.reshape(())]
@@ -149,13 +150,13 @@ class LossScaler(GradScaler):
         # the tracker goes to -1 so the update's +1 lands on 0.
         tracker.copy_(torch.where(absorbed, torch.full_like(tracker, -1), tracker))
         before = scale.clone()
-        torch._amp_update_scale_(
+        private("torch._amp_update_scale_")(
             scale, tracker, found * (~absorbed), self._growth_factor, self._backoff_factor, self._growth_interval
         )
         left.copy_(
             torch.where(absorbed, left - 1, torch.where(scale > before, torch.full_like(left, self.hysteresis), left))
         )
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(private("torch.amp.grad_scaler._refresh_per_optimizer_state"))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -195,5 +196,5 @@ def nonfinite(grads: list[torch.Tensor], device) -> torch.Tensor:
     check GradScaler runs, with nothing to unscale; no host synchronisation)."""
     found = torch.zeros((), device=device)
     if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+        private("torch._amp_foreach_non_finite_check_and_unscale_")(grads, found, torch.ones_like(found))
     return found

@@ -45,6 +45,7 @@ from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
 from .options import AmpOptions
 from .scaler import LossScaler, nonfinite
+from .upstream.torch_private import private
 
 log = logging.getLogger("amp_compiler")
 
@@ -94,7 +95,7 @@ class TrainStep:
         self.max_uncompiled_share = check_share(max_uncompiled_share)
         self.compiled = _compile(model, backend)
         # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
-        joint = compile_loss and isinstance(self.compiled, torch._dynamo.eval_frame.OptimizedModule)
+        joint = compile_loss and isinstance(self.compiled, private("torch._dynamo.eval_frame.OptimizedModule"))
         self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
         if joint and backend.options.low_precision_outputs:
             log.warning(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from amp_compiler.upstream.torch_private import private
 
 # Modules defining ops amp's graphs call: Inductor writes a custom op's arguments, defaults
 # included, into the code it caches, and keys the cache by the graph alone (an op whose
@@ -13,7 +13,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 OP_MODULES = ("amp_compiler.loss_head",)
 
 
-class InductorPass(CustomGraphPass):
+class InductorPass(private("torch._inductor.custom_graph_pass.CustomGraphPass")):
     """Runs ``module.name(graph)`` (looked up at each call); Inductor's caches key it by the
     module's source file, graph_util's and those of amp's own ops, so an edited pass or op
     never reuses graphs compiled with the old one."""
@@ -35,7 +35,7 @@ class InductorPass(CustomGraphPass):
         return digest.digest()
 
 
-class InductorPasses(CustomGraphPass):
+class InductorPasses(private("torch._inductor.custom_graph_pass.CustomGraphPass")):
     """Several passes as one: Inductor before 2.13 takes one custom pass per hook, not a list."""
 
     def __init__(self, *passes: InductorPass):

@@ -14,11 +14,11 @@ are parameters). An explicit ``memory_budget`` leaves the choice to the partitio
 from __future__ import annotations
 
 import torch
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
 from amp_compiler.passes import graph_util
 from amp_compiler.passes.graph_util import JOINT_CAST, JOINT_VIEWS, LOW_FLOATS, closure, tangent_dependent
+from amp_compiler.upstream.torch_private import private
 
 
 def keep_weight_copies(graph: torch.fx.Graph, static: list[torch.fx.Node]) -> int:
@@ -37,17 +37,17 @@ def keep_weight_copies(graph: torch.fx.Graph, static: list[torch.fx.Node]) -> in
     return len(casts)
 
 
-class WeightCopiesSaved(CustomPartitionerFn):
+class WeightCopiesSaved(private("torch._inductor.custom_graph_pass.CustomPartitionerFn")):
     """Inductor's partitioner (the min cut) after ``keep_weight_copies``: only the
     partitioner is told which inputs are parameters."""
 
     def __call__(self, gm, joint_inputs, **kwargs):
-        from torch._functorch.partitioners import _is_primal, min_cut_rematerialization_partition
-
+        is_primal = private("torch._functorch.partitioners._is_primal")
+        partition = private("torch._functorch.partitioners.min_cut_rematerialization_partition")
         static = kwargs.get("static_lifetime_input_indices") or []
-        primals = [n for n in gm.graph.nodes if _is_primal(n)]
+        primals = [n for n in gm.graph.nodes if is_primal(n)]
         keep_weight_copies(gm.graph, [primals[i] for i in static if i < len(primals)])
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        return partition(gm, joint_inputs, **kwargs)
 
     def uuid(self):
-        return get_hash_for_files((__file__, graph_util.__file__))
+        return private("torch._inductor.custom_graph_pass.get_hash_for_files")((__file__, graph_util.__file__))

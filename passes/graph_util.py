@@ -8,6 +8,7 @@ import operator
 import torch
 
 from amp_compiler.meta import META_KEY, REQUIRES_GRAD, NodeInfo
+from amp_compiler.upstream.torch_private import HigherOrderOperator, OpOverload
 
 # The dtypes mixed precision moves between. float64, integers, bool and complex
 # are never touched.
@@ -93,7 +94,7 @@ def draws_random(node: torch.fx.Node) -> bool:
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
         if p == 0 or train is False:
             return False
-    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+    if isinstance(node.target, OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
         return True
     return any(k in name for k in ("rand", "philox", "dropout", "bernoulli"))
 
@@ -137,7 +138,7 @@ def schema_args(node: torch.fx.Node):
     """(slot, schema argument, value) for each argument of an ATen op node; ``slot`` is
     the position in ``node.args`` or, when passed by keyword or omitted, the name."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return
     for i, arg in enumerate(target._schema.arguments):
         if i < len(node.args):
@@ -173,7 +174,7 @@ def is_view(node: torch.fx.Node) -> bool:
         return False
     if target is operator.getitem:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
@@ -261,7 +262,7 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             fresh = "val" not in node.meta  # a node a pass just created
             if not fresh and not is_inserted_cast(node) and not any(i in changed for i in node.all_input_nodes):
                 continue
-            if not fresh and isinstance(node.target, torch._ops.HigherOrderOperator):
+            if not fresh and isinstance(node.target, HigherOrderOperator):
                 continue  # its inputs keep their dtypes at the boundary, so its outputs do too
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n, fake_mode))
             new = node.target(*args, **kwargs)

@@ -29,6 +29,7 @@ import torch
 
 from amp_compiler.meta import dtype_name, info
 from amp_compiler.policy import Precision
+from amp_compiler.upstream.torch_private import OpOverload
 
 from .graph_util import (
     AMP_FLOATS,
@@ -61,7 +62,7 @@ def _candidate(node: torch.fx.Node, low: torch.dtype) -> bool:
         or i.compute is not None
         or i.constants
         or node.target in USER_CAST_OPS
-        or not isinstance(node.target, torch._ops.OpOverload)
+        or not isinstance(node.target, OpOverload)
     ):
         return False
     if i.orig != torch.float32 or _numel(node) is None or mutated_inputs(node):

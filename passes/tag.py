@@ -22,6 +22,7 @@ import torch
 from amp_compiler.hops import HopKind, is_hop, node_treatment
 from amp_compiler.meta import META_KEY, NodeInfo, dtype_name, info
 from amp_compiler.policy import FIXED_OUTPUT_OPS, AmpPolicyError, Precision, why
+from amp_compiler.upstream.torch_private import OpOverload
 
 from .graph_util import (
     AMP_FLOATS,
@@ -162,7 +163,7 @@ class _Tagger:
             return Precision.PASSTHROUGH, f"{kind}: keeps its dtype", None
         if node.op == "output":
             return Precision.PASSTHROUGH, "graph output: returned in the FP32 model's dtype", None
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
             if node.target is operator.getitem:
                 return Precision.PASSTHROUGH, "element of a multi-output op", None
             return Precision.PASSTHROUGH, "not a tensor op", None
@@ -241,7 +242,7 @@ class _Tagger:
         if node.target is operator.getitem:
             src = self.planned(node.args[0])
             return src[node.args[1]] if isinstance(src, tuple) else src
-        if not isinstance(node.target, torch._ops.OpOverload) or node.target.name() in FIXED_OUTPUT_OPS:
+        if not isinstance(node.target, OpOverload) or node.target.name() in FIXED_OUTPUT_OPS:
             return orig
         inputs = tensor_inputs(node)
         if node.target in (torch.ops.aten.type_as.default, torch.ops.aten.to.other):
@@ -314,7 +315,7 @@ def _values(big: dict) -> str:
 
 def _op_name(node: torch.fx.Node) -> str:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target)
     if node.op == "call_function":
         return getattr(target, "__name__", str(target))

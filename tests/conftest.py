@@ -100,3 +100,24 @@ def inductor_recorded(monkeypatch):
 
     monkeypatch.setattr(amp_compiler.backend, "inner_compiler", inner)
     return rec
+
+
+@pytest.fixture
+def amp_log():
+    """What amp's own logger says at WARNING and above during the test: a handler the test
+    owns, on ``amp_compiler``, so torch's and other libraries' warnings (which differ by
+    release and by the tests that ran before in the worker) never count."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("amp_compiler")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(min(level or logging.WARNING, logging.WARNING))
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from helpers import OpRecorder, recording_backend
 
 import amp_compiler.device
 from amp_compiler import AmpBackend, make_train_step
-from amp_compiler.coverage import UncompiledModelError, matmul_weights
+from amp_compiler.coverage import MAX_UNCOMPILED_SHARE, UncompiledModelError, matmul_weights
 
 aten = torch.ops.aten
 
@@ -61,6 +62,14 @@ def _state(model):
     return copy.deepcopy(model.state_dict())
 
 
+def _refused_share(said: str, owner: str) -> float:
+    """The share a refusal names (how much of it Dynamo traces moves with the torch release;
+    that it is above the limit is the promise)."""
+    found = re.search(rf"{owner}: ([0-9.]+)% of the model's matmul/conv weight elements ran outside", said)
+    assert found, said
+    return float(found.group(1)) / 100
+
+
 def _unchanged(model, before) -> bool:
     return all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -100,8 +109,8 @@ def test_step_refuses_layers_dynamo_does_not_trace_before_any_update():
     with pytest.raises(UncompiledModelError) as err:
         step(*batch())
     said = str(err.value)
-    assert "make_train_step: 100.0% of the model's matmul/conv weight elements" in said
-    assert "proj, rnn, head" in said and "Attempted to wrap RNN, GRU, or LSTM" in said
+    assert _refused_share(said, "make_train_step") > MAX_UNCOMPILED_SHARE
+    assert "rnn" in said and "Dynamo's graph breaks:" in said
     assert "Nothing was updated" in said
     assert "max_uncompiled_share" in said
     assert _unchanged(model, before) and not opt.state
@@ -165,14 +174,13 @@ def test_bare_backend_warns_once_with_dynamos_reason(caplog):
     assert len(said) == 1 and "torch.compiler.disable()" in said[0] and len(backend.records) == 2
 
 
-def test_auto_choosing_fp32_is_a_warning(caplog, monkeypatch):
+def test_auto_choosing_fp32_is_a_warning(amp_log, monkeypatch):
     """Where 16 bit is emulated, dtype="auto" runs FP32: one WARNING line with the reason."""
     monkeypatch.setattr(amp_compiler.device, "native_dtypes", lambda device: (frozenset(), "a CPU that emulates BF16"))
     monkeypatch.setattr(amp_compiler.device, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="amp_compiler"):
-        for _ in range(2):
-            assert amp_compiler.device.resolve_dtype("auto", torch.device("cpu"))[0] == "fp32"
-    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for _ in range(2):
+        assert amp_compiler.device.resolve_dtype("auto", torch.device("cpu"))[0] == "fp32"
+    said = [r.getMessage() for r in amp_log if r.levelno == logging.WARNING]
     assert len(said) == 1 and "dtype='auto' runs FP32" in said[0] and "a CPU that emulates BF16" in said[0]
 
 
@@ -204,8 +212,9 @@ def test_trainer_callback_refuses_untraced_layers(tmp_path):
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Data(), callbacks=[AmpCallback("bf16", inner="aot_eager")]
     )
-    with pytest.raises(UncompiledModelError, match=r"AmpCallback: 100\.0% .*rnn.*Attempted to wrap RNN"):
+    with pytest.raises(UncompiledModelError) as err:
         trainer.train()
+    assert _refused_share(str(err.value), "AmpCallback") > MAX_UNCOMPILED_SHARE and "rnn" in str(err.value)
     assert _unchanged(model, before)
 
 
@@ -233,8 +242,9 @@ def test_lightning_plugins_refuse_untraced_layers():
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*batch()), batch_size=4)
-    with pytest.raises(UncompiledModelError, match=r"AmpPrecision: 100\.0% .*net\.rnn.*Attempted to wrap RNN"):
+    with pytest.raises(UncompiledModelError) as err:
         trainer.fit(module, loader)
+    assert _refused_share(str(err.value), "AmpPrecision") > MAX_UNCOMPILED_SHARE and "net.rnn" in str(err.value)
     assert _unchanged(module, before)
 
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[AmpFabricPrecision("bf16", inner="aot_eager")])
@@ -242,8 +252,9 @@ def test_lightning_plugins_refuse_untraced_layers():
     before = _state(net)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=1e-2))
     fabric.backward(F.cross_entropy(model(batch()[0]), batch()[1]))
-    with pytest.raises(UncompiledModelError, match=r"AmpFabricPrecision: 97\.0% .*: rnn\."):
+    with pytest.raises(UncompiledModelError) as err:
         opt.step()
+    assert _refused_share(str(err.value), "AmpFabricPrecision") > MAX_UNCOMPILED_SHARE and ": rnn." in str(err.value)
     assert _unchanged(net, before)
 
 

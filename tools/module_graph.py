@@ -28,6 +28,7 @@ LAYERS = [
         "vocabulary",
         [
             "version",
+            "upstream",
             "policy",
             "meta",
             "hops",

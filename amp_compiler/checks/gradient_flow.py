@@ -17,10 +17,10 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
 from amp_compiler.capture import held_tensors, lift_attributes
 from amp_compiler.passes.verify import AmpVerifyError
+from amp_compiler.upstream.torch_private import pytree
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from torch.export.graph_signature import InputKind
-from torch.utils import _pytree as pytree
 
+from ..upstream.torch_private import pytree
 from .base import ANSI, ExportError
 from .coverage import value_types
 from .emulation import emulate_low

@@ -18,6 +18,7 @@ from ..meta import META_KEY, NodeInfo
 from ..options import AmpOptions
 from ..plan import GraphPlan
 from ..policy import LOW_DTYPES, Precision
+from ..upstream.torch_private import private
 from .base import ExportError
 from .coverage import export_fp32_pins
 
@@ -59,7 +60,9 @@ def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options,
     policy = opts.policy(LOW_DTYPES[dtype])
     if dtype == "bf16":
         policy = policy.with_fp32(export_fp32_pins(target))
-    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    fake_mode = private("torch._guards.detect_fake_mode")(
+        [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    )
     ctx = PassContext(policy=policy, options=opts, fake_mode=fake_mode)
     try:
         run_pipeline(gm, ctx, PIPELINE)
