@@ -72,3 +72,22 @@ def test_declared_lower_bounds_are_the_ones_ci_installs():
         req = Requirement(line)
         if req.name in bounds:
             assert [s.version for s in req.specifier if s.operator == ">="] == [bounds[req.name]]
+
+
+def test_torch_range_is_declared_tested_and_stated_once():
+    """pyproject's torch floor is the tested range's low end (which .ci/run installs), and the
+    README's table states the range CI runs."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    from amp_compiler.upstream import TESTED_TORCH
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [Requirement(d) for d in deps if d.startswith("torch")]
+    (floor,) = [s.version for s in torch_req.specifier if s.operator == ">="]
+    (low, high) = TESTED_TORCH
+    assert floor == f"{low[0]}.{low[1]}"
+    readme = (ROOT / "README.md").read_text()
+    for major, minor in (low, high):
+        assert f"| {major}.{minor}." in readme, f"README's tested-range table has no torch {major}.{minor} row"
+    assert f"torch>={floor}" in readme

@@ -186,6 +186,7 @@ def small_ahead(monkeypatch):
     4240 bytes): uneven both ways, rows balanced (37 tokens: 4 blocks of 10, 10, 10, 7)."""
     monkeypatch.setattr(loss_head, "AHEAD_BYTES", 10 * 53 * 8)
     monkeypatch.setattr(loss_head, "AHEAD_MIN_ROWS", 2)
+    monkeypatch.setattr(loss_head, "AHEAD_MIN_ROWS_AMX", 2)  # the same blocks on a CPU with AMX
     monkeypatch.setattr(loss_head, "AHEAD_BLOCK_ELEMENTS", 80)
     monkeypatch.setattr(loss_head, "MIN_COLS", 8)
     assert loss_head.ahead_shape(37, 53, 8) == (10, 8)
@@ -285,14 +286,18 @@ def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(smal
     assert sum("gradient was recomputed" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_one_pass_rows_are_balanced_and_their_logits_bounded():
+@pytest.mark.parametrize("amx", [False, True])
+def test_one_pass_rows_are_balanced_and_their_logits_bounded(amx, monkeypatch):
+    """On either kind of BF16 CPU (the row floor is higher with AMX)."""
+    monkeypatch.setattr(loss_head, "cpu_has_amx", lambda: amx)
+    least = loss_head.AHEAD_MIN_ROWS_AMX if amx else loss_head.AHEAD_MIN_ROWS
     for tokens, vocab, itemsize in [(2048, 50257, 2), (8192, 151936, 2), (100, 50257, 2), (5000, 32000, 4)]:
         rows, cols = loss_head.ahead_shape(tokens, vocab, itemsize)
         blocks = math.ceil(tokens / rows)
         assert rows * blocks - tokens < blocks  # as many tokens in each row block, to one
-        assert rows <= max(loss_head.AHEAD_MIN_ROWS, loss_head.AHEAD_BYTES // (vocab * itemsize))
+        assert rows <= max(least, loss_head.AHEAD_BYTES // (vocab * itemsize))
         assert rows * cols <= loss_head.AHEAD_BLOCK_ELEMENTS and cols <= vocab
-    assert loss_head.ahead_shape(2048, 50257, 2)[0] == 1024
+    assert loss_head.ahead_shape(2048, 50257, 2)[0] == (2048 if amx else 1024)
     head = (torch.randn(4, 8), torch.randn(64, 8), None, torch.zeros(4, dtype=torch.long), "", -100, False, False)
     with pytest.raises(ValueError, match="gradients 'hx': name 'h', 'w' or both"):
         HEAD(*head, "", "hx", 0.0)
@@ -391,21 +396,22 @@ def test_logits_stats_runs_as_one_generated_kernel_each_way(fresh_kernels):
     assert dz.dtype == torch.bfloat16
 
 
-def test_block_math_stays_compiled_past_dynamos_default_recompile_limit(fresh_kernels, monkeypatch):
+def test_block_math_stays_compiled_past_dynamos_default_recompile_limit(fresh_kernels):
     """Each chain or flag set a process uses is a recompile of the same block function; past
     Dynamo's limit (here 1) a fullgraph compile raises, and the head would fall back to ATen
     calls for good: the head's own limit (KERNEL_RECOMPILES) keeps them compiled."""
     if "recompile_limit" not in inspect.signature(torch.compile).parameters:
         pytest.skip("torch.compile has no per-call recompile_limit before torch 2.13")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     g = torch.Generator().manual_seed(0)
     z, t = torch.randn(8, 300, generator=g).bfloat16(), torch.randint(0, 300, (8,), generator=g)
-    for chain in ("m0.5", "m0.25", "m2.0,t"):
-        LOGITS_STATS(z, t, chain, -100, False)  # compiles (the profile would see its tracing)
-        with torch.profiler.profile() as prof:
-            LOGITS_STATS(z, t, chain, -100, False)
-        ran = {e.key for e in prof.key_averages()}
-        assert any(k.startswith("## Call CompiledFxGraph") for k in ran) and "aten::exp" not in ran, chain
+    # torch's own patch, not a monkeypatch: torch 2.15 keeps config overrides in context variables
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for chain in ("m0.5", "m0.25", "m2.0,t"):
+            LOGITS_STATS(z, t, chain, -100, False)  # compiles (the profile would see its tracing)
+            with torch.profiler.profile() as prof:
+                LOGITS_STATS(z, t, chain, -100, False)
+            ran = {e.key for e in prof.key_averages()}
+            assert any(k.startswith("## Call CompiledFxGraph") for k in ran) and "aten::exp" not in ran, chain
 
 
 def test_block_math_under_a_dispatch_mode_runs_as_written_and_stays_compiled(fresh_kernels, amp_log):
@@ -747,6 +753,7 @@ def test_exact_head_with_bf16_products_runs_every_gemm_split(
         return loss, grads, len(mms), large, log
 
     loss_head.exact_products(torch.device("cpu"))
+    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", False)  # FP32 GEMMs, also on a CPU with AMX
     _, _, fp32_gemms, _, _ = run()
     monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
     monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", mode)
