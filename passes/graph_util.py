@@ -8,7 +8,7 @@ import operator
 import torch
 
 from amp_compiler.meta import META_KEY, REQUIRES_GRAD, NodeInfo
-from amp_compiler.upstream.torch_private import HigherOrderOperator, OpOverload
+from amp_compiler.upstream.torch_private import HigherOrderOperator, OpOverload, pytree
 
 # The dtypes mixed precision moves between. float64, integers, bool and complex
 # are never touched.
@@ -245,6 +245,20 @@ def is_inserted_cast(node: torch.fx.Node) -> bool:
     return isinstance(info, NodeInfo) and info.inserted
 
 
+SIZE_QUERIES = frozenset(
+    {
+        torch.ops.aten.size.default,
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_size.default,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_stride.default,
+        torch.ops.aten.stride.default,
+        torch.ops.aten.numel.default,
+    }
+)
+
+
 def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
     """Recompute meta['val'] downstream of inserted casts (their dtypes change).
 
@@ -264,8 +278,20 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
                 continue
             if not fresh and isinstance(node.target, HigherOrderOperator):
                 continue  # its inputs keep their dtypes at the boundary, so its outputs do too
+            if not fresh and node.target in SIZE_QUERIES:
+                continue  # a cast changes no size
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n, fake_mode))
-            new = node.target(*args, **kwargs)
+            shape_env = getattr(fake_mode, "shape_env", None)
+            if fresh or shape_env is None or not _symbolic((args, kwargs)):
+                new = node.target(*args, **kwargs)
+            else:
+                # Re-run for the new dtypes only, on static stand-ins: a cast changes no size, so
+                # the sizes stay the traced (symbolic) ones. Under torch < 2.13 a composite op
+                # (matmul) run on symbolic fakes read a size as an int and guarded on it: one
+                # recompile per sequence length.
+                with shape_env.suppress_guards():
+                    static = pytree.tree_map(_static, (args, kwargs))
+                new = _retyped(node.meta.get("val"), node.target(*static[0], **static[1]))
             if (
                 fresh
                 or val_dtype(new) != val_dtype(node.meta.get("val"))
@@ -273,6 +299,34 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             ):
                 changed.add(node)
             node.meta["val"] = new
+
+
+def _symbolic(tree: object) -> bool:
+    return any(
+        isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())))
+        for x in pytree.tree_leaves(tree)
+    )
+
+
+def _static(x: object) -> object:
+    """A fake of ``x``'s dtype with its sizes' current values (no guard: under suppress_guards)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(
+            [int(d) for d in x.shape], [int(d) for d in x.stride()], dtype=x.dtype, device=x.device
+        )
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)](x)
+    return x
+
+
+def _retyped(old: object, new: object) -> object:
+    """``old`` (a value with the traced sizes) in ``new``'s dtypes."""
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        return old if old.dtype == new.dtype else old.to(new.dtype)
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
+        return type(new)(_retyped(a, b) for a, b in zip(old, new))
+    return new
 
 
 def _value(gm: torch.fx.GraphModule, node: torch.fx.Node, fake_mode: object) -> object:

@@ -91,6 +91,14 @@ def _ddp_worker(rank, port, results):
 
         import amp_compiler
 
+        sent = []  # what gloo was handed to all-reduce: the evidence, not amp's own count
+        all_reduce = dist.all_reduce
+
+        def recording_all_reduce(tensor, *args, **kwargs):
+            sent.append((tensor.dtype, tensor.numel()))
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = recording_all_reduce  # the comm hooks call torch.distributed.all_reduce
         out = {}
         for comm in ("fp32", "bf16"):
             torch.manual_seed(0)
@@ -106,11 +114,14 @@ def _ddp_worker(rank, port, results):
             assert step.dtype == "bf16" and step.max_grad_norm == 1.0
             g = torch.Generator().manual_seed(rank)
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+            sent.clear()
             losses = [step(x, y).loss.item() for _ in range(5)]
             low = [n for n in step.backend.plan().nodes if n.precision == "LOW"]
+            numel = sum(p.numel() for p in model.parameters())
+            buckets = [dtype for dtype, n in sent if n == numel]  # one bucket holds every gradient
             out[comm] = (
                 losses,
-                step.comm.bytes,
+                (step.comm.bytes, buckets),
                 [p.detach().clone() for p in model.parameters()],
                 all(p.dtype == torch.float32 for p in model.parameters()) and bool(low),
             )
@@ -125,8 +136,13 @@ def test_ddp_gradients_all_reduced_in_bf16_half_the_bytes_same_loss_curve():
     results = mp.Manager().dict()
     mp.spawn(_ddp_worker, args=(_free_port(), results), nprocs=2, join=True)
     for rank in (0, 1):
-        (l32, b32, _, fp32_master), (l16, b16, _, fp32_master16) = results[rank]["fp32"], results[rank]["bf16"]
+        (l32, (b32, wire32), _, fp32_master), (l16, (b16, wire16), _, fp32_master16) = (
+            results[rank]["fp32"],
+            results[rank]["bf16"],
+        )
         assert b16 * 2 == b32 > 0
+        # what crossed: one gradient bucket per step, FP32 as asked, then BF16 as asked
+        assert wire32 == [torch.float32] * 5 and wire16 == [torch.bfloat16] * 5, (wire32, wire16)
         assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
         assert l16[-1] < l16[0] and fp32_master and fp32_master16
     # ranks hold the same parameters after the BF16 all-reduce

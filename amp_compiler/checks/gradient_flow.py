@@ -13,6 +13,7 @@ after the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -28,8 +29,14 @@ log = logging.getLogger(__name__)
 def gradient_flow(
     gm: torch.fx.GraphModule, inputs: Sequence[object], fake_mode: object
 ) -> tuple[frozenset[int], tuple[bool, ...]]:
-    """(indices of inputs that receive a gradient, requires_grad of each tensor output)."""
-    with fake_mode, torch.enable_grad():
+    """(indices of inputs that receive a gradient, requires_grad of each tensor output).
+
+    Runs with guards suppressed: which inputs get a gradient does not depend on sizes, and
+    torch < 2.13 guarded a dynamic size it read while running a composite op (matmul) here,
+    which made every new sequence length recompile."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    quiet = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+    with fake_mode, torch.enable_grad(), quiet:
         leaves, args = {}, []
         for i, x in enumerate(inputs):
             if isinstance(x, torch.Tensor):
