@@ -66,7 +66,8 @@ def _refused(said: str, owner: str) -> tuple[float, list[str]]:
     """The share and the modules a refusal names (how much of the LSTM Dynamo traces moves with
     the torch release; that the share is above the limit and the LSTM is named is the promise)."""
     found = re.search(
-        rf"{owner}: ([0-9.]+)% of the model's matmul/conv weight elements ran outside .*?\(limit [0-9]+%\): (.*?)\.(?: |$)",
+        rf"{owner}: ([0-9.]+)% of the model's matmul/conv weight elements ran outside "
+        r".*?\(limit [0-9]+%\): (.*?)\.(?: |$)",
         said,
     )
     assert found, said
