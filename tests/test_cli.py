@@ -347,3 +347,32 @@ def test_cli_demo_runs_and_compares(tmp_path, real_machine):
     first = " ".join(out.split("\n")[:2]).split()
     assert first[:2] == ["Precision:", choice] and " ".join(reason.split()[:3]) in " ".join(first)
     assert f"Precision plan: {choice}" in out and "amp speed vs FP32" in out and f"amp-{choice}" in out
+
+
+def test_cli_env_states_torch_and_the_tested_range(capsys, monkeypatch, amp_log):
+    """``env`` names torch and the integrations, says whether torch is in the tested range, and
+    warns (on stderr, exit 0) where it is not; the backend warns once through amp's logger."""
+    import importlib.metadata
+
+    import amp_compiler
+    from amp_compiler import upstream
+
+    low, high = upstream.TESTED_TORCH
+    code, out, err = cli_here(capsys, "env")
+    assert code == 0 and not err
+    assert f"torch {torch.__version__} (inside the tested range {low[0]}.{low[1]}-{high[0]}.{high[1]})" in out
+    assert f"transformers {importlib.metadata.version('transformers')}" in out
+    assert 'dtype="auto": ' in out
+
+    monkeypatch.setattr(upstream, "TESTED_TORCH", ((1, 0), (1, 9)))  # as if torch had moved past it
+    code, out, err = cli_here(capsys, "env")
+    assert code == 0 and "outside the tested range 1.0-1.9" in out
+    assert f"torch {torch.__version__} is newer than amp-compiler's tested range (1.0-1.9)" in err
+    upstream.warn_outside_tested_range.cache_clear()
+    for _ in range(2):
+        amp_compiler.AmpBackend()
+    upstream.warn_outside_tested_range.cache_clear()
+    assert [r.getMessage().count("newer than amp-compiler's tested range") for r in amp_log] == [1]
+    monkeypatch.undo()
+    assert "older than" in upstream.torch_range_said("0.9.0")
+    assert upstream.torch_range_said(f"{low[0]}.{low[1]}.0+cu130") is None
