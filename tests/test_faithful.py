@@ -437,6 +437,35 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
     check_gradient_flow(original, original, inputs, mode)  # the same program passes
 
 
+def test_gradient_flow_check_is_remembered_beside_inductors_cache(tmp_path, monkeypatch, gradient_flow_runs):
+    """A restarted job with a warm cache skips a check its programs passed before; a broken
+    rewrite of the same program is checked (and refused) all the same, and never remembered."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def program(x, w):
+        return (x @ w).sum()
+
+    def broken(x, w):
+        return (x @ w.detach()).sum()
+
+    original, rewritten = torch.fx.symbolic_trace(program), torch.fx.symbolic_trace(broken)
+    mode = FakeTensorMode()
+    inputs = [mode.from_tensor(torch.randn(2, 3)), mode.from_tensor(torch.randn(3, 3).requires_grad_())]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with torch._inductor.config.patch(force_disable_caches=False):
+        for _ in range(2):
+            check_gradient_flow(original, original, inputs, mode)
+        assert len(gradient_flow_runs) == 2  # once (as written, as rewritten), then remembered
+        assert len(list((tmp_path / "amp" / "gradient_flow").iterdir())) == 1
+        for _ in range(2):
+            with pytest.raises(AmpVerifyError, match="node 'w'"):
+                check_gradient_flow(original, rewritten, inputs, mode)
+        assert len(gradient_flow_runs) == 6
+        other = [inputs[0], mode.from_tensor(torch.randn(3, 4).requires_grad_())]  # other sizes: checked
+        check_gradient_flow(original, original, other, mode)
+        assert len(gradient_flow_runs) == 8
+
+
 def test_gradient_flow_check_covers_parameters_held_on_the_graph():
     """A parameter the graph reads off its module (get_attr) is a leaf the check follows."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -48,6 +48,7 @@ SURFACE: dict[str, str] = {
     # Inductor and the partitioner
     "torch._inductor.compile_fx.compile_fx": "handing the rewritten graph to Inductor",
     "torch._inductor.list_mode_options": "torch.compile's mode= for the inner Inductor",
+    "torch._inductor.config": "Inductor's switches amp reads (its caches on or off)",
     "torch._inductor.config.joint_custom_pre_pass": "amp's joint-graph passes (saved copies, masks, head stats)",
     "torch._inductor.config.post_grad_custom_pre_pass": "folding a broadcast bmm into one mm",
     "torch._inductor.config.custom_partitioner_fn": "keeping the parameters' 16-bit copies saved",
@@ -56,6 +57,8 @@ SURFACE: dict[str, str] = {
     "torch._inductor.custom_graph_pass.CustomGraphPass": "amp's Inductor passes, with a cache key",
     "torch._inductor.custom_graph_pass.CustomPartitionerFn": "amp's partitioner, with a cache key",
     "torch._inductor.custom_graph_pass.get_hash_for_files": "the passes' cache keys",
+    "torch._inductor.runtime.cache_dir_utils.cache_dir": "where a passed gradient-flow check is remembered",
+    "torch._inductor.config.force_disable_caches": "no remembered gradient-flow check where caches are off",
     "torch._functorch.config": "the activation memory budget of one compile",
     "torch._functorch.config.activation_memory_budget": "memory_budget=",
     "torch._functorch.partitioners.min_cut_rematerialization_partition": "the partition amp's partitioner wraps",
@@ -84,7 +87,9 @@ class UpstreamChanged(RuntimeError):
 
 @functools.cache
 def private(path: str) -> Any:
-    """The object at ``path`` (one of ``SURFACE``) in the running torch."""
+    """The object at ``path`` (one of ``SURFACE``) in the running torch, looked up once: a
+    config value is read off its config module (``private("torch._inductor.config").key``),
+    as it changes; its own entry is there for the canary."""
     if path not in SURFACE:
         raise KeyError(f"{path} is not listed in amp_compiler.upstream.torch_private.SURFACE: add it, with what for")
     parts = path.split(".")
