@@ -273,12 +273,10 @@ def cmd_env(args) -> int:
     from .upstream.aten import ABSENT
     from .version import __version__
 
-    low, high = upstream.TESTED_TORCH
     outside = upstream.torch_range_said()
     lines = [
         f"amp-compiler {__version__}, Python {platform.python_version()}",
-        f"torch {torch.__version__} ({'outside' if outside else 'inside'} the tested range "
-        f"{low[0]}.{low[1]}-{high[0]}.{high[1]})",
+        f"torch {torch.__version__} ({'outside' if outside else 'inside'} the tested range {upstream.tested_range()})",
     ]
     for name in ("transformers", "accelerate", "trl", "lightning", "onnx", "onnxruntime", "openvino"):
         try:

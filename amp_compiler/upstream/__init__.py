@@ -27,12 +27,18 @@ def torch_minor(version: str = torch.__version__) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def tested_range() -> str:
+    """The tested torch range as people write it: "2.11-2.15"."""
+    (a, b), (c, d) = TESTED_TORCH
+    return f"{a}.{b}-{c}.{d}"
+
+
 def torch_range_said(version: str = torch.__version__) -> str | None:
     """None where ``version`` is in the tested range, else what to expect, in one line."""
     low, high = TESTED_TORCH
     if low <= torch_minor(version) <= high:
         return None
-    tested = f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
+    tested = tested_range()
     if torch_minor(version) < low:
         return (
             f"torch {version} is older than amp-compiler's tested range ({tested}): private torch APIs it "

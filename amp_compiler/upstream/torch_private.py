@@ -104,12 +104,11 @@ def private(path: str) -> Any:
         except AttributeError:
             break
         return found
-    from . import TESTED_TORCH
+    from . import tested_range
 
-    (a, b), (c, d) = TESTED_TORCH
     raise UpstreamChanged(
         f"torch {torch.__version__} has no {path}, which amp uses for {SURFACE[path]}. amp-compiler is tested "
-        f"with torch {a}.{b}-{c}.{d}: install one of those, or report this with `amp-compiler env`'s output"
+        f"with torch {tested_range()}: install one of those, or report this with `amp-compiler env`'s output"
     )
 
 
