@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from amp_compiler.upstream import torch_minor
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 
@@ -243,15 +245,20 @@ def _fsdp_mp_worker(rank, port, results):
 
         import amp_compiler
 
-        gathered = [0]
-        original = collectives.DefaultAllGather.__call__
+        gathered, reduced = [0], []  # what FSDP handed its collectives: bytes gathered, dtypes reduced
+        original, reduce_scatter = collectives.DefaultAllGather.__call__, collectives.DefaultReduceScatter.__call__
 
         def counting(self, *args, **kwargs):
             sent = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
             gathered[0] += sent.numel() * sent.element_size()
             return original(self, *args, **kwargs)
 
+        def recording(self, *args, **kwargs):
+            reduced.append((kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).dtype)
+            return reduce_scatter(self, *args, **kwargs)
+
         collectives.DefaultAllGather.__call__ = counting
+        collectives.DefaultReduceScatter.__call__ = recording
         out = {}
         for name, mp in (
             ("fp32", None),
@@ -259,8 +266,19 @@ def _fsdp_mp_worker(rank, port, results):
                 "bf16",
                 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False),
             ),
+            (  # reduce_dtype left out: what docs/training.md says each torch then does
+                "bf16-default",
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False),
+            ),
+            (  # BF16 gradient communication, asked for (seed rule 5: where asked)
+                "bf16-reduce",
+                MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False
+                ),
+            ),
         ):
             gathered[0] = 0
+            reduced.clear()
             model = _fsdp_model()
             for module in (model[0], model[2], model):
                 fully_shard(module, **({"mp_policy": mp} if mp else {}))
@@ -274,7 +292,7 @@ def _fsdp_mp_worker(rank, port, results):
             x, y = _fsdp_batches()[0]
             losses = [step(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]).loss.item() for _ in range(3)]
             linears = [n for n in step.backend.plan().nodes if n.op.startswith("aten.linear")]
-            out[name] = (gathered[0], losses, [(n.precision, n.casts) for n in linears])
+            out[name] = (gathered[0], losses, [(n.precision, n.casts) for n in linears], sorted(set(reduced), key=str))
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -286,8 +304,13 @@ def test_fsdp2_mixed_precision_policy_owns_the_weight_cast_and_halves_the_all_ga
     FP32 islands; the all-gathers move half the bytes; the losses match amp's own casts."""
     results = mp.Manager().dict()
     mp.spawn(_fsdp_mp_worker, args=(_free_port(), results), nprocs=2, join=True)
-    (b32, l32, lin32), (b16, l16, lin16) = results[0]["fp32"], results[0]["bf16"]
+    (b32, l32, lin32, r32), (b16, l16, lin16, r16) = results[0]["fp32"], results[0]["bf16"]
     assert b16 * 2 == b32 > 0
+    # gradients reduce-scattered in the dtype asked for, on every torch (2.15 changed the default)
+    assert r32 == r16 == [torch.float32] and results[0]["bf16-reduce"][3] == [torch.bfloat16]
+    assert results[1]["bf16-reduce"][3] == [torch.bfloat16] and results[1]["bf16"][3] == [torch.float32]
+    default = torch.bfloat16 if torch_minor() < (2, 15) else torch.float32  # param_dtype, then the grads' own
+    assert results[0]["bf16-default"][3] == results[1]["bf16-default"][3] == [default]
     assert all(p == "LOW" and len(c) == 3 for p, c in lin32)  # activation, weight, bias cast by amp
     assert all(p == "LOW" and len(c) == 1 and "args_0" in c[0] for p, c in lin16)  # activation only
     assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
