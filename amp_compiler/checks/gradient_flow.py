@@ -117,10 +117,10 @@ def _verified_marker(original: torch.fx.GraphModule, rewritten: torch.fx.GraphMo
     """Where a passed check of this pair is remembered, beside Inductor's own caches (a job that
     restarts with a warm cache skips the check: ~1 s of a GPT-2-style decoder's first step). The
     key is what decides gradient flow: both programs' code and each input's sizes, dtype and
-    requires_grad. None where Inductor's caches are off (``force_disable_caches``)."""
+    requires_grad (and torch's release). None where Inductor's caches are off (``force_disable_caches``)."""
     if private("torch._inductor.config").force_disable_caches:
         return None
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(torch.__version__.encode())  # one cache dir may serve several torch releases
     for gm in (original, rewritten):
         digest.update(gm.code.encode())
     for x in inputs:
