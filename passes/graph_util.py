@@ -266,6 +266,7 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
     the rest (``.item()`` on a lifted scalar, size queries) keep Dynamo's values.
     """
     changed: set[torch.fx.Node] = set()
+    shape_env = getattr(fake_mode, "shape_env", None)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if fake_mode is not None:
@@ -281,7 +282,6 @@ def refresh_vals(gm: torch.fx.GraphModule, fake_mode: object) -> None:
             if not fresh and node.target in SIZE_QUERIES:
                 continue  # a cast changes no size
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _value(gm, n, fake_mode))
-            shape_env = getattr(fake_mode, "shape_env", None)
             if fresh or shape_env is None or not _symbolic((args, kwargs)):
                 new = node.target(*args, **kwargs)
             else:

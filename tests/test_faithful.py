@@ -419,8 +419,8 @@ def test_mask_fill_in_bf16_keeps_small_constants():
     assert fill[0].precision == "PASSTHROUGH" and "extreme" not in fill[0].reason
 
 
-def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
-    """A rewritten graph that detaches a parameter's path raises, naming that input."""
+def _detached_weight():
+    """(a program, its rewrite that detaches the weight's path, a fake mode, fake inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def program(x, w):
@@ -429,9 +429,14 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
     def broken(x, w):
         return (x @ w.detach()).sum()
 
-    original, rewritten = torch.fx.symbolic_trace(program), torch.fx.symbolic_trace(broken)
     mode = FakeTensorMode()
     inputs = [mode.from_tensor(torch.randn(2, 3)), mode.from_tensor(torch.randn(3, 3).requires_grad_())]
+    return torch.fx.symbolic_trace(program), torch.fx.symbolic_trace(broken), mode, inputs
+
+
+def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
+    """A rewritten graph that detaches a parameter's path raises, naming that input."""
+    original, rewritten, mode, inputs = _detached_weight()
     with pytest.raises(AmpVerifyError, match="node 'w'.*none after the amp rewrite"):
         check_gradient_flow(original, rewritten, inputs, mode)
     check_gradient_flow(original, original, inputs, mode)  # the same program passes
@@ -440,17 +445,7 @@ def test_gradient_flow_check_names_the_input_that_lost_its_gradient():
 def test_gradient_flow_check_is_remembered_beside_inductors_cache(tmp_path, monkeypatch, gradient_flow_runs):
     """A restarted job with a warm cache skips a check its programs passed before; a broken
     rewrite of the same program is checked (and refused) all the same, and never remembered."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    def program(x, w):
-        return (x @ w).sum()
-
-    def broken(x, w):
-        return (x @ w.detach()).sum()
-
-    original, rewritten = torch.fx.symbolic_trace(program), torch.fx.symbolic_trace(broken)
-    mode = FakeTensorMode()
-    inputs = [mode.from_tensor(torch.randn(2, 3)), mode.from_tensor(torch.randn(3, 3).requires_grad_())]
+    original, rewritten, mode, inputs = _detached_weight()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with torch._inductor.config.patch(force_disable_caches=False):
         for _ in range(2):
