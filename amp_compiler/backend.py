@@ -51,12 +51,22 @@ class AmpBackend:
     Keyword options are those of ``AmpOptions``. ``records`` holds one
     ``CompileRecord`` per graph compiled (several after graph breaks or
     recompiles), the newest ``max_records`` of them (each holds its graph);
-    ``plan()`` merges their plans.
+    ``plan()`` merges their plans. ``decided`` and ``owned`` are for the training entry
+    points (``training_setup``): the dtype they decided and why, and that they check the
+    model's coverage themselves.
     """
 
     max_records = 1024
 
-    def __init__(self, options: AmpOptions | dict | None = None, *, config=None, **kwargs: Any):
+    def __init__(
+        self,
+        options: AmpOptions | dict | None = None,
+        *,
+        config=None,
+        decided: tuple[str, str] | None = None,
+        owned: bool = False,
+        **kwargs: Any,
+    ):
         if config is not None:  # a DeepSpeed-style dict or file: its dtype and "amp" section
             from .config import AmpConfig, AmpConfigError
 
@@ -78,13 +88,15 @@ class AmpBackend:
         self.records: list[CompileRecord] = []
         self.compiled = 0  # graphs compiled so far, records dropped or not
         self.coverage = Coverage()  # which trainable parameters the graphs took
-        # (dtype, why), set by whoever resolved "auto" for us (the training step, agreed by
-        # all ranks): the plan then states that reason, not "dtype=... requested"
-        self.decided: tuple[str, str] | None = None
+        # (dtype, why) as a training entry point decided it (agreed by all ranks): the plan
+        # then states that reason, not "dtype=... requested"
+        if decided is not None and decided[0] != self.options.dtype:
+            raise AmpOptionsError(f"decided={decided!r} disagrees with dtype={self.options.dtype!r}")
+        self.decided = decided
         self.pipeline = PIPELINE
         # an entry point that owns the step (make_train_step, AmpCallback, the Lightning
         # plugins) checks coverage itself; the bare backend warns once about graph breaks
-        self.owned = False
+        self.owned = owned
         self._breaks_warned = False
         self._reuse: ReuseRule | None = None  # reuse_cpu_memory, where no loop owns us
         warn_outside_tested_range()
@@ -255,7 +267,10 @@ class AmpBackend:
         forward graphs' plans made them (a 16-bit matmul's gradient is 16 bit, an FP32
         island's is FP32); planning it again would put the islands' backward in 16 bit."""
         reason = "compiled autograd's backward graph: handed on as written, its dtypes follow the forward graphs' plans"
-        dtype = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)[0]
+        if self.decided is not None and self.decided[0] == opts.dtype:
+            dtype = self.decided[0]
+        else:
+            dtype = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)[0]
         plan = GraphPlan(self.compiled, dtype, reason)
         plan.applied = False
         return self._record(

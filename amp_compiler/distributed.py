@@ -11,6 +11,8 @@ says to configure precision once, globally. Two checks, used by
   dtype that differs between ranks is an error.
 - ``agree_on_memory``: the memory the loss head's automatic choice weighs, the smallest
   rank's, so that choice is the same everywhere.
+- ``check_same_settings``: the options every rank was given (its pins, tables, loss head,
+  scaler) are the same; one set on one rank only is an error naming it.
 - ``check_same_plan``: after the first compile, the plans' fingerprints (every
   node's op and precision) are compared; a difference names the ranks.
 """
@@ -77,6 +79,22 @@ def any_rank(flag):
     if _active():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
+
+
+def check_same_settings(settings: dict[str, str], entry: str, group=None) -> None:
+    """Raise PrecisionMismatchError, on every rank, naming each setting that differs between ranks."""
+    if not _active(group):
+        return
+    every = _gather(settings, group)
+    names = sorted({k for s in every for k in s}, key=lambda k: [*settings, k].index(k))
+    differ = [n for n in names if len({s.get(n) for s in every}) > 1]
+    if differ:
+        ranks = lambda n: ", ".join(f"rank {i}: {s.get(n, '(unset)')}" for i, s in enumerate(every))  # noqa: E731
+        detail = "; ".join(f"{n}: {ranks(n)}" for n in differ)
+        raise PrecisionMismatchError(
+            f"{entry}: ranks were set up differently ({detail}); every rank must train under one "
+            "precision plan: give every rank the same dtype, options, config and policy file"
+        )
 
 
 def plan_fingerprint(plan: PrecisionPlan) -> str:

@@ -35,23 +35,21 @@ from typing import Any
 
 import torch
 
-from .backend import AmpBackend
 from .config import AmpConfig, merge
-from .coverage import MAX_UNCOMPILED_SHARE, check_share
-from .cpu_memory import MemoryReuse, ReuseRule
-from .device import module_device, resolve_dtype
-from .distributed import agree_on_dtype, agree_on_memory, any_rank, check_same_plan, install_comm_hook
+from .coverage import MAX_UNCOMPILED_SHARE
+from .cpu_memory import MemoryReuse
+from .device import module_device
+from .distributed import any_rank, install_comm_hook
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
-from .options import AmpOptions
 from .scaler import LossScaler, nonfinite
+from .training_setup import MasterWeightsError, TrainingSetup
 from .upstream.torch_private import private
 
 log = logging.getLogger("amp_compiler")
 
 
-class MasterWeightsError(TypeError):
-    """The model's parameters are not FP32, so there is no FP32 master copy."""
+__all__ = ["MasterWeightsError", "StepResult", "TrainStep", "make_train_step"]
 
 
 @dataclass(frozen=True)
@@ -76,28 +74,27 @@ class TrainStep:
         optimizer,
         loss_fn,
         *,
-        dtype,
-        dtype_reason,
-        scaler,
+        setup: TrainingSetup,
         monitor,
         max_grad_norm,
         grad_accum,
         lr_scheduler,
-        backend,
         fused=None,
         compile_loss=True,
-        max_uncompiled_share=MAX_UNCOMPILED_SHARE,
     ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.dtype, self.dtype_reason = dtype, dtype_reason
-        self.scaler, self.monitor, self.backend = scaler, monitor, backend
+        self.setup, self.backend = setup, setup.backend
+        self.dtype, self.dtype_reason = setup.dtype, setup.reason
+        # the step reads the scale either way; disabled (a no-op) unless FP16
+        self.scaler = setup.scaler or LossScaler(setup.device.type, dtype=setup.dtype)
+        self.monitor = monitor
         self.max_grad_norm, self.grad_accum, self.lr_scheduler = max_grad_norm, grad_accum, lr_scheduler
-        self.max_uncompiled_share = check_share(max_uncompiled_share)
-        self.compiled = _compile(model, backend)
+        self.max_uncompiled_share = setup.max_uncompiled_share
+        self.compiled = setup.compile(model, whole=True)
         # DDP and FSDP2 compile the forwards inside their wrappers: the loss stays outside
         joint = compile_loss and isinstance(self.compiled, private("torch._dynamo.eval_frame.OptimizedModule"))
-        self._forward_loss = torch.compile(_own_code(_forward_loss), backend=backend) if joint else None
-        if joint and backend.options.low_precision_outputs:
+        self._forward_loss = torch.compile(_own_code(_forward_loss), backend=self.backend) if joint else None
+        if joint and self.backend.options.low_precision_outputs:
             log.warning(
                 "amp: low_precision_outputs has no effect here: the compiled graph returns "
                 "the loss, which stays FP32; pass compile_loss=False to have the model's "
@@ -108,14 +105,14 @@ class TrainStep:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._last_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        self._last_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         self._batch = self._offending = None  # the offending batch: the last one skipped
         if monitor is not None and monitor.explain is None:
             monitor.explain = self._explain_alert
         self.fused = fused  # FusedUpdate, or None: the optimizer's own step()
         self.comm = None  # CommStats when gradients are all-reduced through our DDP hook
         self._one = torch.ones((), device=self._params[0].device) if self._params else None
-        self._reuse = ReuseRule(backend.options.reuse_cpu_memory, module_device(model).type == "cpu", at=grad_accum)
+        self._reuse = setup.reuse_rule(at=grad_accum)
 
     @property
     def memory_reuse(self) -> MemoryReuse | None:
@@ -129,12 +126,12 @@ class TrainStep:
         loss = self.loss(inputs, *targets)
         first = self.plan_fingerprint is None  # this process's first step (also after a resume)
         if first:
-            self.plan_fingerprint = check_same_plan(self.backend.plan())
+            self.plan_fingerprint = self.setup.check_plan()
         loss = loss.float()
         self.scaler.scale(loss / self.grad_accum).backward()
         if first:  # the first backward shows which parameters the model used; nothing is updated yet
             if any(p.requires_grad for p in self._params):
-                self.backend.coverage.enforce(self.model, "make_train_step", self.max_uncompiled_share, self.dtype)
+                self.setup.check_coverage(self.model)
         self.micro_step += 1
         if self.micro_step % self.grad_accum:
             # no sync between accumulation steps: report the scale known at the last step
@@ -317,51 +314,33 @@ def make_train_step(
     On CPU, freed memory is kept for reuse where a step maps large blocks afresh (the
     ``reuse_cpu_memory`` compile option); ``step.memory_reuse`` says what was decided and why.
     """
-    _check_master_weights(model)
     cfg = AmpConfig.load(config)
-    dtype = merge(dtype, cfg.dtype, "dtype", "auto")
     max_grad_norm = merge(max_grad_norm, cfg.max_grad_norm, "max_grad_norm")
     grad_accum = merge(grad_accum, cfg.grad_accum, "grad_accum", 1)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
-    device = module_device(model)
-    if "dtype" in (compile_options or {}):
-        raise ValueError("pass dtype to make_train_step itself, not in compile_options")
-    options = {**cfg.options, **(compile_options or {})}
-    requested = AmpOptions(dtype=dtype).dtype
-    choice, reason = agree_on_dtype(*resolve_dtype(requested, device), requested)
-    options["memory_bytes"] = agree_on_memory(device, options.get("memory_bytes"))
-    log.info("amp training step: %s (%s)", choice, reason)
-    if scaler is None:
-        # a config's fp16 section describes the scaler (it also fixed the dtype to fp16)
-        scaler = cfg.scaler(device.type) or LossScaler(device.type, dtype=choice)
-    elif choice == "bf16" and scaler.is_enabled():
-        raise ValueError("BF16 needs no loss scaling: pass no scaler, or LossScaler(..., dtype='bf16')")
-    elif choice == "fp32" and scaler.is_enabled():
-        log.info("amp: training in FP32 (%s); the loss scaler given is kept but not needed", reason)
-    elif choice == "fp16" and not scaler.is_enabled():
-        log.warning("amp: FP16 without loss scaling; small gradients will underflow to zero")
-    if monitor is None:
-        monitor = NonFiniteMonitor()
-    backend = AmpBackend(options, dtype=choice)
-    backend.owned = True
-    backend.decided = (choice, reason)
+    setup = TrainingSetup(
+        "make_train_step",
+        dtype=dtype,
+        config=cfg,
+        options=compile_options,
+        scaler=scaler,
+        max_uncompiled_share=max_uncompiled_share,
+    )
+    setup.start(model, module_device(model))
+    fused = _fused_update(optimizer, max_grad_norm, fused_update)
     comm = install_comm_hook(model, ddp_comm_dtype) if ddp_comm_dtype else None
     step = TrainStep(
         model,
         optimizer,
         loss_fn,
-        dtype=choice,
-        dtype_reason=reason,
-        scaler=scaler,
-        monitor=monitor,
+        setup=setup,
+        monitor=monitor or NonFiniteMonitor(),
         max_grad_norm=max_grad_norm,
         grad_accum=grad_accum,
         lr_scheduler=lr_scheduler,
-        backend=backend,
-        fused=_fused_update(optimizer, max_grad_norm, fused_update),
+        fused=fused,
         compile_loss=compile_loss,
-        max_uncompiled_share=max_uncompiled_share,
     )
     step.comm = comm
     return step
@@ -396,55 +375,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _compile(model: torch.nn.Module, backend: AmpBackend):
-    """torch.compile(model), except under DDP and FSDP2, which hide the model from Dynamo
-    (compiled whole, it would run as written, in FP32): there the forwards inside the
-    wrapper are compiled and the wrapper's communication stays around them, eager."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        # DDP's forward hides the module from Dynamo (a compiled DDP runs it as written):
-        # the module's own forward is compiled, DDP's bucketed all-reduce stays around it.
-        model.module.forward = backend.compile(model.module.forward)
-        return model
-    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    if not units:
-        return torch.compile(model, backend=backend)
-    # A unit holding other units graph-breaks at each child's hooks: compile the innermost.
-    leaves = {n: m for n, m in units.items() if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
-    for m in leaves.values():
-        m.forward = backend.compile(m.forward)
-    # An outer unit's own layers (an LM's embedding, final norm and head: 10-30% of its
-    # weights) are compiled one by one: its forward as a whole would graph-break at every
-    # inner unit's hooks. What lies between them (residual glue, the loss) runs as written.
-    own = [m for name in sorted(set(units) - set(leaves)) for m in _own_layers(units[name])]
-    for m in own:
-        m.forward = backend.compile(m.forward)
-    log.info(
-        "amp training step: FSDP2, %d innermost fully_shard unit(s) and %d layer(s) of outer units compiled",
-        len(leaves),
-        len(own),
-    )
-    return model
-
-
-def _own_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest submodules of an FSDP2 unit that are no unit and hold none, with trainable
-    parameters and a forward of their own: the unit's own layers."""
-    from torch.distributed.fsdp import FSDPModule
-
-    found = []
-    for child in module.children():
-        if isinstance(child, FSDPModule):
-            continue
-        if any(isinstance(m, FSDPModule) for m in child.modules()):
-            found += _own_layers(child)
-        elif type(child).forward is not torch.nn.Module.forward and any(p.requires_grad for p in child.parameters()):
-            found.append(child)
-    return found
-
-
 def _fused_update(optimizer, max_grad_norm, wanted: bool | None) -> FusedUpdate | None:
     if wanted is False:
         return None
@@ -457,14 +387,3 @@ def _fused_update(optimizer, max_grad_norm, wanted: bool | None) -> FusedUpdate 
         log.info("amp training step: optimizer.step() (%s)", why)
         return None
     return FusedUpdate(optimizer, max_grad_norm)
-
-
-def _check_master_weights(model: torch.nn.Module) -> None:
-    low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
-    if low:
-        names = [n for n, p in model.named_parameters() if p.dtype in low][:3]
-        raise MasterWeightsError(
-            f"parameters are {sorted(str(d) for d in low)} (e.g. {names}); amp keeps FP32 master "
-            "weights so that small updates are not lost to 16-bit rounding. Call model.float() "
-            "before building the optimizer and the train step; the backend casts to 16 bit on the fly."
-        )

@@ -6,6 +6,8 @@ A plain module (``from helpers import ...``); fixtures and pytest hooks live in 
 from __future__ import annotations
 
 import copy
+import os
+import socket
 
 import torch
 import torch.nn as nn
@@ -332,3 +334,34 @@ class ShiftLM(nn.Module):
 
 def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_torchrun(rank: int, port: int, fn, args, results) -> None:
+    # the environment torchrun gives each process; the framework under test initialises the group
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="amp-test",
+    )  # fmt: skip
+    try:
+        results[rank] = fn(rank, *args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def two_ranks(fn, *args) -> list:
+    """``fn(rank, *args)`` in two processes launched as torchrun launches them (gloo on CPU);
+    returns what each returned, by rank. ``fn`` must be a module-level function."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_as_torchrun, args=(free_port(), fn, args, results), nprocs=2, join=True)
+    return [results[0], results[1]]

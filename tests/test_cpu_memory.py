@@ -240,8 +240,7 @@ def test_bare_backend_measures_its_first_training_graph(libc, monkeypatch):
         compiled(x).sum().backward()
         decided.append(backend.memory_reuse)
     assert decided[:3] == [None, None, None] and decided[3].applied and len(libc.calls) == 2
-    owned = AmpBackend(inner="eager")
-    owned.owned = True
+    owned = AmpBackend(inner="eager", owned=True)
     compiled = torch.compile(nn.Linear(8, 1), backend=owned)
     for _ in range(5):
         compiled(x).sum().backward()

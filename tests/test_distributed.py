@@ -36,10 +36,16 @@ def _worker(rank, port, scenario, results):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dtype = {"auto": "auto", "auto-fp32": "auto", "pins": "bf16"}.get(scenario, "bf16" if rank == 0 else "fp16")
+        dtype = {"auto": "auto", "auto-fp32": "auto", "explicit": ("bf16", "fp16")[rank]}.get(scenario, "bf16")
         options = {"inner": "eager"}
         if scenario == "pins" and rank == 1:
             options["fp32_modules"] = ["^0$"]  # this rank alone pins the first Linear
+        if scenario == "plans" and rank == 1:
+            # the same settings, another plan (as another build of the op tables would make)
+            from amp_compiler.policy import Policy
+
+            build = Policy.build.__func__
+            Policy.build = classmethod(lambda cls, low, **kw: build(cls, low, **{**kw, "fp32_ops": ("linear",)}))
         try:
             step = amp_compiler.make_train_step(
                 model, opt, torch.nn.functional.mse_loss, dtype=dtype, compile_options=options
@@ -79,8 +85,14 @@ def test_explicit_different_dtypes_across_ranks_is_an_error():
     assert "rank 0: bf16, rank 1: fp16" in r[0][1]
 
 
-def test_different_plans_across_ranks_are_caught_at_the_first_step():
+def test_a_pin_on_one_rank_only_stops_every_rank_before_any_compile():
     r = run("pins")
+    assert r[0][0] == r[1][0] == "mismatch" and r[0][1] == r[1][1]
+    assert "fp32_modules: rank 0: (), rank 1: ('^0$',)" in r[0][1]
+
+
+def test_different_plans_across_ranks_are_caught_at_the_first_step():
+    r = run("plans")
     assert r[0][0] == r[1][0] == "mismatch"
     assert "ranks compiled different precision plans" in r[0][1]
 

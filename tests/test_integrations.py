@@ -12,7 +12,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers import NormHead, OpRecorder, cosine, grads, recording_backend  # noqa: E402
+from helpers import NormHead, OpRecorder, cosine, grads, recording_backend, two_ranks  # noqa: E402
 
 import amp_compiler.device  # noqa: E402
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
@@ -244,7 +244,7 @@ def _trainer_worker(rank, port, out_dir, results):
             cb.plan().summary()["nodes"]["LOW"],
             [p.detach().clone() for p in model.parameters()][:3],
             all(p.dtype == torch.float32 for p in model.parameters()),
-            cb.options["memory_bytes"],
+            cb.backend.options.memory_bytes,
         )
     finally:
         import torch.distributed as dist
@@ -271,6 +271,50 @@ def test_trainer_with_two_processes_trains_one_plan(tmp_path):
     assert mem0 == mem1 == 1 << 20  # one choice of loss head on every rank
     for a, b in zip(p0, p1):
         assert torch.equal(a, b)
+
+
+def _set_up_differently(rank, out_dir):
+    """Each way two ranks' amp settings can differ under the Trainer, one Trainer after another
+    in the same two processes: what each raised, the steps it took, whether any parameter moved."""
+    from amp_compiler import PrecisionMismatchError
+
+    said = {}
+    for scenario in ("dtype", "pin", "flag"):
+        flags, options = {}, {"inner": "aot_eager"}
+        if scenario == "dtype":
+            options["dtype"] = ("bf16", "fp16")[rank]
+        elif scenario == "pin":
+            options.update(dtype="bf16", **({"fp32_modules": ["lm_head"]} if rank else {}))
+        else:  # the Trainer's own flag, read as the dtype request
+            flags[("bf16", "fp16")[rank]] = True
+        model = gpt2()
+        before = [p.detach().clone() for p in model.parameters()]
+        callback = AmpCallback(**options)
+        trainer = transformers.Trainer(
+            model=model, args=args(out_dir, max_steps=2, **flags), train_dataset=Ids(), callbacks=[callback]
+        )
+        try:
+            trainer.train()
+            error = None
+        except PrecisionMismatchError as e:
+            error = str(e)
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        said[scenario] = (error, trainer.state.global_step, moved)
+    return said
+
+
+def test_trainer_ranks_set_up_differently_stop_before_any_update(tmp_path):
+    """Two ranks launched as torchrun launches them, each with its own AmpCallback: a dtype, a
+    pin on one rank only, the Trainer's bf16 flag against its fp16: every rank stops before
+    the first step with the same message, naming what differs; no parameter moves. (The
+    ranks that agree train identically: test_trainer_with_two_processes_trains_one_plan.)"""
+    ranks = two_ranks(_set_up_differently, str(tmp_path))
+    names = {"dtype": "rank 0: bf16, rank 1: fp16", "pin": "fp32_modules: rank 0: (), rank 1: ('lm_head',)"}
+    names["flag"] = names["dtype"]
+    for scenario, named in names.items():
+        (error0, steps0, moved0), (error1, steps1, moved1) = ranks[0][scenario], ranks[1][scenario]
+        assert error0 == error1 and named in error0, scenario
+        assert steps0 == steps1 == 0 and not moved0 and not moved1, scenario
 
 
 def test_accelerate_mixed_precision_around_the_amp_backend_trains():

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from helpers import OpRecorder, recording_backend  # noqa: E402
+from helpers import OpRecorder, recording_backend, two_ranks  # noqa: E402
 
-from amp_compiler.integrations.lightning import AmpPrecision  # noqa: E402
+from amp_compiler.integrations.lightning import AmpFabricPrecision, AmpPrecision  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -221,3 +221,62 @@ def test_lightning_ddp_on_two_gloo_processes(tmp_path):
         assert r["matmuls"] and all(d[0] == torch.bfloat16 for d in r["matmuls"])
     for p, q in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(p, q)
+
+
+def _lightning_ranks(rank):
+    """Lightning's DDP strategy and Fabric in processes torchrun launched, each rank with its own
+    plugin: (what fit or setup raised, whether a parameter moved), per case; and the control's
+    parameters after 3 steps with one dtype everywhere."""
+    from lightning.fabric import Fabric
+
+    from amp_compiler import PrecisionMismatchError
+
+    def ddp(plugin):
+        return trainer(plugin, steps=3, strategy="ddp", devices=2)
+
+    out = {}
+    for case, build in {
+        "trainer, dtype": lambda: AmpPrecision(("bf16", "fp16")[rank], inner="aot_eager"),
+        "trainer, pin": lambda: AmpPrecision("bf16", inner="aot_eager", fp32_modules=["net.3"] if rank else []),
+        "fabric, dtype": lambda: AmpFabricPrecision(("bf16", "fp16")[rank], inner="aot_eager"),
+    }.items():
+        torch.manual_seed(0)
+        model = Classifier()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            if case.startswith("fabric"):
+                fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[build()])
+                fabric.launch()
+                fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            else:
+                ddp(build()).fit(model, loader())
+            error = None
+        except PrecisionMismatchError as e:
+            error = str(e)
+        out[case] = (error, any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    torch.manual_seed(0)
+    model = Classifier()
+    ddp(AmpPrecision("bf16", inner="aot_eager")).fit(model, loader())
+    out["control"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_lightning_and_fabric_ranks_set_up_differently_stop_before_any_update():
+    """DDP strategy and Fabric, two ranks launched as torchrun launches them: a dtype or a pin
+    that differs stops every rank at setup with one message naming it, nothing updated; the
+    control (one dtype) trains to identical parameters on both ranks."""
+    ranks = two_ranks(_lightning_ranks)
+    named = {
+        "trainer, dtype": "rank 0: bf16, rank 1: fp16",
+        "trainer, pin": "fp32_modules: rank 0: (), rank 1: ('net.3',)",
+        "fabric, dtype": "rank 0: bf16, rank 1: fp16",
+    }
+    for case, name in named.items():
+        (error0, moved0), (error1, moved1) = ranks[0][case], ranks[1][case]
+        assert error0 == error1 and name in error0, case
+        assert not moved0 and not moved1, case
+    control0, control1 = ranks[0]["control"], ranks[1]["control"]
+    torch.manual_seed(0)
+    assert all(not torch.equal(a, b) for a, b in zip(control0, Classifier().parameters()))  # it trained
+    for a, b in zip(control0, control1):
+        assert torch.equal(a, b)

@@ -48,7 +48,7 @@ LAYERS = [
     ("passes", ["passes", "inductor_passes", "checks"]),
     ("backend", ["backend", "autocast_region", "coverage", "inductor", "config"]),
     ("tools on the backend", ["explain", "compare", "distributed", "render"]),
-    ("jobs", ["train", "doctor", "calibrate", "onnx_export"]),
+    ("jobs", ["training_setup", "train", "doctor", "calibrate", "onnx_export"]),
     ("front ends", ["integrations", "cli", "demo", "__main__", ""]),
 ]
 

@@ -29,30 +29,42 @@ import torch
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from ..backend import AmpBackend
-from ..config import AmpConfig, merge
-from ..coverage import MAX_UNCOMPILED_SHARE, check_share
+from ..coverage import MAX_UNCOMPILED_SHARE
 from ..cpu_memory import MemoryReuse, ReuseRule
-from ..device import resolve_dtype
 from ..monitor import NonFiniteMonitor
 from ..plan import PrecisionPlan
-from ..scaler import LossScaler
+from ..training_setup import TrainingSetup
 
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 
 class _AmpPlugin:
-    """What both plugins do the same way: compile the module's forward with the amp backend,
-    enter no autocast, show the plan."""
+    """What both plugins do the same way: one ``TrainingSetup`` (resolved when built, agreed by
+    every rank when the strategy sets the module up), no autocast, the plan shown."""
 
-    backend: AmpBackend
-    dtype: str
+    setup: TrainingSetup
     _reuse: ReuseRule
+
+    def _set_up(self, dtype, device, config, options, max_uncompiled_share) -> tuple[str, Any]:
+        """The setup resolved for ``device``; returns (device, FP16's scaler or None)."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.setup = TrainingSetup(
+            type(self).__name__, dtype=dtype, config=config, options=options, max_uncompiled_share=max_uncompiled_share
+        ).resolve(device)
+        self._reuse = self.setup.reuse_rule()
+        return device, self.setup.scaler
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dtype={self.dtype!r})"
 
+    dtype = property(lambda self: self.setup.dtype)
+    reason = property(lambda self: self.setup.reason)
+    backend = property(lambda self: self.setup.backend)  # None until the module is set up
+    max_uncompiled_share = property(lambda self: self.setup.max_uncompiled_share)
+
     def plan(self) -> PrecisionPlan:
+        if self.backend is None:
+            raise RuntimeError(f"{type(self).__name__}: no plan yet: the module compiles when the strategy sets it up")
         return self.backend.plan()
 
     @property
@@ -62,24 +74,24 @@ class _AmpPlugin:
         return self._reuse.decision
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Compile the module's ``forward`` and each child holding parameters: a
-        ``training_step`` (or a Fabric loop) that calls ``self.encoder(x)`` rather than
-        ``self(x)`` runs planned too; a forward that calls its children traces them into
-        its own graph."""
-        if not getattr(module, "_amp_compiled", False):
-            for m in (module, *_callable_children(module)):
-                m.forward = self.backend.compile(m.forward)
-            module._amp_compiled = True
+        """Every rank agrees on the precision (the strategy calls this on each, with the
+        process group up), then the module's ``forward`` and each child's holding parameters
+        are compiled: a ``training_step`` (or a Fabric loop) that calls ``self.encoder(x)``
+        rather than ``self(x)`` runs planned too; a forward that calls its children traces
+        them into its own graph."""
+        before = self.dtype
+        self.setup.start(module)
+        if self.dtype != before:  # dtype="auto" on a mixed fleet: the weakest rank's choice
+            self.scaler = self.setup.scaler
+            self.precision = LIGHTNING_PRECISION[self.dtype]
+        self.setup.compile(module, children=True)
         self._module = module
         return module
 
     def _enforce(self, model) -> None:
-        """Before the first update (once): refuse a module too much of which ran outside
-        the compiled graphs."""
-        if self._checked:
-            return
-        self._checked = True
-        self.backend.coverage.enforce(model, type(self).__name__, self.max_uncompiled_share, self.dtype)
+        """Before the first update, on every rank: one plan everywhere, and not too much of
+        the module ran outside the compiled graphs."""
+        self.setup.before_first_update(model)
 
     def forward_context(self):
         return contextlib.nullcontext()  # the plan, not autocast, decides each op's precision
@@ -93,16 +105,13 @@ class AmpPrecision(_AmpPlugin, MixedPrecision):
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
                  monitor: NonFiniteMonitor | None = None, max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
                  **options: Any) -> None:  # fmt: skip
-        self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
-        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, device == "cpu")
-        self.max_uncompiled_share = check_share(max_uncompiled_share)
+        device, scaler = self._set_up(dtype, device, config, options, max_uncompiled_share)
         # MixedPrecision knows only its two mixed modes; FP32 (the plan recorded, not applied)
         # takes its no-scaler path and then says what it is
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
         self.monitor = monitor or NonFiniteMonitor()
         self.skipped_steps = 0
-        self._checked = False
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         self._reuse.tick()  # forward and backward run inside: one tick a step
@@ -134,12 +143,9 @@ class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
 
     def __init__(self, dtype: str | None = None, *, device: str | None = None, config=None,
                  max_uncompiled_share: float = MAX_UNCOMPILED_SHARE, **options: Any) -> None:  # fmt: skip
-        self.dtype, self.reason, scaler, self.backend, device = _settings(dtype, device, config, options)
-        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, device == "cpu")
-        self.max_uncompiled_share = check_share(max_uncompiled_share)
+        device, scaler = self._set_up(dtype, device, config, options, max_uncompiled_share)
         super().__init__(precision="16-mixed" if scaler else "bf16-mixed", device=device, scaler=scaler)
         self.precision = LIGHTNING_PRECISION[self.dtype]
-        self._checked = False
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         self._reuse.tick()  # between two updates: the loop's forward and backward
@@ -152,24 +158,3 @@ class AmpFabricPrecision(_AmpPlugin, FabricMixedPrecision):
 
     def convert_output(self, data: Any) -> Any:
         return data
-
-
-def _callable_children(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """Direct children with trainable parameters and a forward of their own (not containers)."""
-    return [
-        child
-        for child in module.children()
-        if type(child).forward is not torch.nn.Module.forward and any(p.requires_grad for p in child.parameters())
-    ]
-
-
-def _settings(dtype, device, config, options) -> tuple:
-    """(dtype, reason, scaler or None, backend, device) for a plugin."""
-    cfg = AmpConfig.load(config)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    resolved, reason = resolve_dtype(merge(dtype, cfg.dtype, "dtype", "auto"), torch.device(device))
-    scaler = (cfg.scaler(device) or LossScaler(device)) if resolved == "fp16" else None
-    backend = AmpBackend({**cfg.options, **options}, dtype=resolved)
-    backend.owned = True
-    backend.decided = (resolved, reason)
-    return resolved, reason, scaler, backend, device

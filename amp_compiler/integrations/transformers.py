@@ -38,16 +38,13 @@ import weakref
 import torch
 from transformers import TrainerCallback
 
-from ..backend import AmpBackend
-from ..config import AmpConfig, merge
-from ..coverage import MAX_UNCOMPILED_SHARE, check_share
+from ..coverage import MAX_UNCOMPILED_SHARE
 from ..cpu_memory import MemoryReuse, ReuseRule
-from ..device import module_device, resolve_dtype
-from ..distributed import agree_on_memory
+from ..device import module_device
 from ..monitor import NonFiniteMonitor
-from ..options import AmpOptions
 from ..plan import PrecisionPlan
-from ..scaler import LossScaler, nonfinite
+from ..scaler import nonfinite
+from ..training_setup import TrainingSetup
 from .trainer_hooks import (
     as_in_training,
     find_trainer,
@@ -73,25 +70,25 @@ class AmpCallback(TrainerCallback):
         max_uncompiled_share: float = MAX_UNCOMPILED_SHARE,
         **options,
     ):
-        self.config = AmpConfig.load(config)
+        self.setup = TrainingSetup(
+            "AmpCallback", dtype=dtype, config=config, options=options, max_uncompiled_share=max_uncompiled_share
+        )
         self._reuse: ReuseRule | None = None
-        self.max_uncompiled_share = check_share(max_uncompiled_share)
-        self.explicit = merge(dtype, self.config.dtype, "dtype")  # None: neither says
-        self.requested = self.explicit or "auto"
         self.flag: str | None = None  # the Trainer's bf16/fp16 flag, read as the request
         self.trainer = None
         self.forwards: list[str] = []  # the forwards compiled under the plan
         self._planned = weakref.WeakSet()
-        self.options = {**self.config.options, **options}
         self.monitor = monitor or NonFiniteMonitor()
-        self.backend: AmpBackend | None = None
-        self.scaler: LossScaler | None = None
-        self.dtype = self.reason = None
         self._pending: list[str] = []
         self._plan_logged = False
-        self._compile_checked = False
         self.skipped_steps = 0
         self.monitor.on_alert.append(lambda event: self._pending.append(event.message))
+
+    # what the setup decided, once the Trainer started training
+    dtype = property(lambda self: self.setup.dtype)
+    reason = property(lambda self: self.setup.reason)
+    scaler = property(lambda self: self.setup.scaler)
+    backend = property(lambda self: self.setup.backend)
 
     def plan(self) -> PrecisionPlan:
         if self.backend is None:
@@ -110,10 +107,10 @@ class AmpCallback(TrainerCallback):
         flag = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
         if flag is None:
             return
-        if self.explicit not in (None, "auto") and AmpOptions(dtype=self.explicit).dtype != flag:
+        if self.setup.requested not in ("auto", flag):
             raise ValueError(
-                f"AmpCallback(dtype={self.explicit!r}) disagrees with TrainingArguments({flag}=True): the flag "
-                f"asks for {flag}; set the precision in one place"
+                f"AmpCallback(dtype={self.setup.requested!r}) disagrees with TrainingArguments({flag}=True): the "
+                f"flag asks for {flag}; set the precision in one place"
             )
         if self.trainer is None:
             raise ValueError(
@@ -122,7 +119,8 @@ class AmpCallback(TrainerCallback):
                 f"AmpCallback(dtype={flag!r})"
             )
         take_over_mixed_precision(self.trainer)
-        self.requested, self.flag = flag, flag
+        self.flag = flag
+        self.setup.request(flag, f"TrainingArguments({flag}=True)")
         if getattr(args, "precompute_ref_log_probs", False):
             self._plan_precomputed_reference(self.trainer)
 
@@ -131,7 +129,7 @@ class AmpCallback(TrainerCallback):
             return
         plan_trl_head()  # TRL's fused LM head, traced as plain ops into the plan
         self._plan_forward(model)
-        self._reuse = ReuseRule(self.backend.options.reuse_cpu_memory, module_device(model).type == "cpu")
+        self._reuse = self.setup.reuse_rule()
         for name, other in second_models(self.trainer).items():
             self._plan_forward(other, name)
         log.info("AmpCallback: %s (%s); forwards under the plan: %s", self.dtype, self.reason, ", ".join(self.forwards))
@@ -141,14 +139,13 @@ class AmpCallback(TrainerCallback):
         it resolves the dtype and, under FP16, gets the loss scaling hooks."""
         if module in self._planned:
             return
-        if self.backend is None:
-            self._resolve(module)
+        # every rank reaches train begin together: the ranks agree here, before any step
+        self.setup.start(module)
         without_autocast_wrapper(module)
-        forward = self.backend.compile(module.forward)
+        self.setup.compile(module)
+        forward = module.forward
         if name == "model" and self.dtype == "fp16":
-            device = module_device(module)
-            self.scaler = self.config.scaler(device.type) or LossScaler(device.type)
-            self.scaler._lazy_init_scale_growth_tracker(device)  # the hooks read its tensor
+            self.scaler._lazy_init_scale_growth_tracker(module_device(module))  # the hooks read its tensor
             self._install_scaling(module)
             forward = self._scaled(forward)
         if name != "model":
@@ -162,25 +159,6 @@ class AmpCallback(TrainerCallback):
         module.forward = forward
         self._planned.add(module)
         self.forwards.append(name)
-
-    def _resolve(self, model: torch.nn.Module) -> None:
-        """The dtype for ``model``'s device, and the backend that plans every forward."""
-        device = module_device(model)
-        low = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32}
-        if low:
-            raise ValueError(
-                f"AmpCallback: the model's parameters are {sorted(map(str, low))}; amp keeps "
-                "FP32 master weights: load the model in float32 (torch_dtype=torch.float32)"
-            )
-        self.dtype, self.reason = resolve_dtype(self.requested, device)
-        # every rank weighs the loss head against the same memory: one plan (all ranks reach
-        # train begin together)
-        self.options["memory_bytes"] = agree_on_memory(device, self.options.get("memory_bytes"))
-        if self.flag is not None:
-            self.reason = f"TrainingArguments({self.flag}=True); {self.reason}"
-        self.backend = AmpBackend(self.options, dtype=self.dtype)
-        self.backend.owned = True
-        self.backend.decided = (self.dtype, self.reason)  # the plan states why, not "requested"
 
     def _plan_precomputed_reference(self, trainer) -> None:
         """TRL computes reference log-probs once, in ``__init__`` after this event: the
@@ -214,9 +192,8 @@ class AmpCallback(TrainerCallback):
         trainer._precompute_ref_logps = planned
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if not self._compile_checked and self.backend is not None:
-            self._compile_checked = True  # before the first update: nothing is lost
-            self.backend.coverage.enforce(model, "AmpCallback", self.max_uncompiled_share, self.dtype)
+        if self.backend is not None:  # before the first update, on every rank: nothing is lost
+            self.setup.before_first_update(model)
         if self.scaler is None:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -85,25 +85,36 @@ class UpstreamChanged(RuntimeError):
     """A private torch name amp needs is gone from the running torch."""
 
 
-@functools.cache
 def private(path: str) -> Any:
-    """The object at ``path`` (one of ``SURFACE``) in the running torch, looked up once: a
-    config value is read off its config module (``private("torch._inductor.config").key``),
-    as it changes; its own entry is there for the canary."""
+    """The object at ``path`` (one of ``SURFACE``) in the running torch. Where it lives is found
+    once; the object is read at each call, so a patch of it (a test's, another library's)
+    applies. A config value is read off its config module
+    (``private("torch._inductor.config").key``), as it changes; its own entry is there for
+    the canary."""
+    found, names = _located(path)
+    for name in names:
+        found = getattr(found, name)
+    return found
+
+
+@functools.cache
+def _located(path: str) -> tuple[Any, tuple[str, ...]]:
+    """(the longest importable module of ``path``, the attribute names below it)."""
     if path not in SURFACE:
         raise KeyError(f"{path} is not listed in amp_compiler.upstream.torch_private.SURFACE: add it, with what for")
     parts = path.split(".")
-    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+    for cut in range(len(parts), 0, -1):
         try:
-            found = importlib.import_module(".".join(parts[:cut]))
+            module = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
+        found = module
         try:
             for name in parts[cut:]:
                 found = getattr(found, name)
         except AttributeError:
             break
-        return found
+        return module, tuple(parts[cut:])
     from . import tested_range
 
     raise UpstreamChanged(
