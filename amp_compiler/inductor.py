@@ -1,6 +1,6 @@
 """The inner compiler: Inductor configured for amp's graphs, or any backend by name.
 
-With Inductor amp adds its joint-graph and post-grad passes (``amp_compiler.inductor_passes``),
+With Inductor amp adds its joint-graph and post-grad passes (``amp_compiler.passes.inductor``),
 its partitioner under the default memory budget, and a lower realize threshold; none of
 them changes a value.
 """
@@ -58,7 +58,7 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
         return inner
     if inner == "inductor":
         compile_fx = private("torch._inductor.compile_fx.compile_fx")
-        from amp_compiler.inductor_passes.infra import InductorPass, InductorPasses
+        from amp_compiler.passes.inductor.infra import InductorPass, InductorPasses
 
         patches = {}
         if mode and mode != "default":
@@ -66,19 +66,19 @@ def inner_compiler(inner: str | Callable, mode: str | None, memory_budget: float
         # backward reads the 16-bit copies of FP32 islands that are saved anyway, and
         # recomputes comparison masks instead of saving bool tensors (slow C++ code)
         patches["joint_custom_pre_pass"] = InductorPasses(
-            InductorPass("amp_compiler.inductor_passes.saved_copies", "reuse_saved_copies"),
-            InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks"),
+            InductorPass("amp_compiler.passes.inductor.saved_copies", "reuse_saved_copies"),
+            InductorPass("amp_compiler.passes.inductor.recompute_masks", "recompute_masks"),
             # the loss head's ops run once, in forward, under any memory budget
-            InductorPass("amp_compiler.inductor_passes.keep_head_stats", "keep_head_stats"),
+            InductorPass("amp_compiler.passes.inductor.keep_head_stats", "keep_head_stats"),
         )
         if memory_budget is None:
             # the default budget recomputes activations, not the parameters' 16-bit copies
-            from amp_compiler.inductor_passes.weight_copies import WeightCopiesSaved
+            from amp_compiler.passes.inductor.weight_copies import WeightCopiesSaved
 
             patches["custom_partitioner_fn"] = WeightCopiesSaved()
         # a batch times one shared weight as one mm, not a bmm over a broadcast copy
         patches["post_grad_custom_pre_pass"] = InductorPass(
-            "amp_compiler.inductor_passes.fold_broadcast_bmm", "fold_broadcast_bmm"
+            "amp_compiler.passes.inductor.fold_broadcast_bmm", "fold_broadcast_bmm"
         )
         # Under the memory budget the residual stream is recomputed from its 16-bit terms, not
         # saved; with Inductor's threshold (4 reads) each layer then inlines a different number

@@ -70,7 +70,7 @@ def no_caches():
 def gradient_flow_runs(monkeypatch):
     """The results of every gradient-flow run (the backend's check runs it on the graph as
     written and as rewritten), so a test can see the check ran rather than was skipped."""
-    from amp_compiler.checks import gradient_flow as faithful
+    from amp_compiler.passes import gradient_flow as faithful
 
     ran, real = [], faithful.gradient_flow
     monkeypatch.setattr(faithful, "gradient_flow", lambda *a: ran.append(real(*a)) or ran[-1])

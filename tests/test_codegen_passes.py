@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from amp_compiler import AmpBackend
-from amp_compiler.inductor_passes import fold_broadcast_bmm as fold_mod
-from amp_compiler.inductor_passes import recompute_masks as masks_mod
+from amp_compiler.passes.inductor import fold_broadcast_bmm as fold_mod
+from amp_compiler.passes.inductor import recompute_masks as masks_mod
 
 aten = torch.ops.aten
 
@@ -371,7 +371,7 @@ def test_kernels_do_not_grow_with_depth(monkeypatch, no_caches):
 def test_joint_passes_are_one_custom_pass_for_every_inductor():
     """Inductor before 2.13 takes one callable per hook (a list failed: 'list' object is not
     callable, seen with torch 2.11 on CUDA); both passes run, in order, under one cache key."""
-    from amp_compiler.inductor_passes.infra import InductorPass, InductorPasses
+    from amp_compiler.passes.inductor.infra import InductorPass, InductorPasses
 
     ran = []
 
@@ -396,9 +396,9 @@ def test_an_edited_op_of_amps_changes_inductors_cache_key(tmp_path, monkeypatch)
     """Inductor caches a custom op's call with its default arguments written out: a pass's key
     covers the source of amp's ops, so a changed schema never runs cached code of the old."""
     from amp_compiler import loss_head
-    from amp_compiler.inductor_passes.infra import InductorPass
+    from amp_compiler.passes.inductor.infra import InductorPass
 
-    p = InductorPass("amp_compiler.inductor_passes.recompute_masks", "recompute_masks")
+    p = InductorPass("amp_compiler.passes.inductor.recompute_masks", "recompute_masks")
     before = p.uuid()
     edited = tmp_path / "loss_head.py"
     edited.write_text(pathlib.Path(loss_head.__file__).read_text() + "\n# a new default\n")

@@ -122,7 +122,7 @@ def test_fp32_path_through_inductor_gives_plain_torch_compiles_gradients(monkeyp
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
     x = torch.randn(2, 12, 16)
-    import amp_compiler.inductor_passes.recompute_masks as pass_module
+    import amp_compiler.passes.inductor.recompute_masks as pass_module
 
     tagged, run_pass = [], pass_module.recompute_masks
 

@@ -1039,7 +1039,7 @@ def test_inductors_partitioner_keeps_the_one_pass_head_in_forward(kept, monkeypa
     pass (``kept=False``, showing the test can fail) it does."""
     from torch._inductor.utils import fresh_cache
 
-    import amp_compiler.inductor_passes.keep_head_stats as keep
+    import amp_compiler.passes.inductor.keep_head_stats as keep
 
     if not kept:
         monkeypatch.setattr(keep, "keep_head_stats", lambda graph: 0)

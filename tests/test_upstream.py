@@ -109,7 +109,7 @@ def _private(name: str) -> bool:
 
 def _package_sources():
     root = pathlib.Path(__file__).resolve().parent.parent
-    for folder in ("amp_compiler", "passes", "inductor_passes"):
+    for folder in ("amp_compiler", "passes"):
         for path in sorted((root / folder).rglob("*.py")):
             if "upstream" not in path.parts:
                 yield path

@@ -19,7 +19,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = {
     "amp_compiler": ROOT / "amp_compiler",
     "amp_compiler.passes": ROOT / "passes",
-    "amp_compiler.inductor_passes": ROOT / "inductor_passes",
 }
 
 # bottom first: each layer may use its own and those below it
@@ -45,7 +44,7 @@ LAYERS = [
         ],
     ),
     ("plan and capture", ["options", "plan", "capture"]),
-    ("passes", ["passes", "inductor_passes", "checks"]),
+    ("passes", ["passes"]),
     ("backend", ["backend", "autocast_region", "coverage", "inductor", "config"]),
     ("tools on the backend", ["explain", "compare", "distributed", "render"]),
     ("jobs", ["training_setup", "train", "doctor", "calibrate", "onnx_export"]),
@@ -58,7 +57,7 @@ def modules() -> dict[str, pathlib.Path]:
     for package, root in SOURCES.items():
         for path in root.rglob("*.py"):
             parts = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
-            if package == "amp_compiler" and parts[:1] in (["passes"], ["inductor_passes"]):
+            if package == "amp_compiler" and parts[:1] == ["passes"]:
                 continue
             found[".".join([package, *parts])] = path
     return found
