@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
+from amp_compiler.passes.gradient_flow import check_gradient_flow
 
 from .autocast_region import autocast_around, autocast_region, warn_autocast_around
 from .capture import to_aten
-from amp_compiler.passes.gradient_flow import check_gradient_flow
 from .coverage import MAX_UNCOMPILED_SHARE, Coverage
 from .cpu_memory import MemoryReuse, ReuseRule
 from .device import device_of, resolve_dtype

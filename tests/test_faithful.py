@@ -13,8 +13,8 @@ from helpers import MATMULS, OpRecorder, cosine, grads, recording_backend
 from torch.utils.checkpoint import checkpoint
 
 from amp_compiler import AmpBackend
-from amp_compiler.passes.gradient_flow import check_gradient_flow
 from amp_compiler.passes import AmpVerifyError
+from amp_compiler.passes.gradient_flow import check_gradient_flow
 from amp_compiler.upstream import torch_minor
 
 aten = torch.ops.aten
