@@ -7,9 +7,9 @@ amp_compiler.explain(model, x).format_table()            # what runs in what, an
 
 from .backend import AmpBackend, CompileRecord, amp
 from .calibrate import Calibration, calibrate
-from .config import AmpConfig, AmpConfigError
 from .cpu_memory import MemoryReuse, reuse_freed_memory
 from .distributed import PrecisionMismatchError
+from .ds_config import AmpConfig, AmpConfigError
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
 from .onnx_export import ExportError, ExportReport, compile_openvino, export_onnx

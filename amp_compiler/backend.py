@@ -68,7 +68,7 @@ class AmpBackend:
         **kwargs: Any,
     ):
         if config is not None:  # a DeepSpeed-style dict or file: its dtype and "amp" section
-            from .config import AmpConfig, AmpConfigError
+            from .ds_config import AmpConfig, AmpConfigError
 
             if isinstance(options, AmpOptions):
                 raise AmpOptionsError(

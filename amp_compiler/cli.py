@@ -21,8 +21,9 @@ import os
 import sys
 
 from .atomic import write_text
+from .coverage import parameters_read
+from .model_spec import ModelSpecError
 from .options import AmpOptionsError
-from .target import TargetError
 
 
 class CliError(Exception):
@@ -58,7 +59,7 @@ def cmd_calibrate(args) -> int:
     from rich.table import Table
 
     from .calibrate import calibrate
-    from .target import load_batches
+    from .model_spec import load_batches
 
     if args.batches < 1:
         raise CliError(f"--batches {args.batches}: need at least 1")
@@ -94,46 +95,19 @@ NOTHING_COMPILED = (
 )
 
 
-def _touched(model, margs, mkwargs) -> set[int] | None:
-    """ids of the parameters one eager forward reads (a parameter it never reads is in no
-    graph either, and is no sign of code run outside them); None when that cannot be told
-    (not a module, or its eager forward fails): then nothing is said."""
-    import torch
-
-    from .upstream.torch_private import private, pytree
-
-    TorchDispatchMode = private("torch.utils._python_dispatch.TorchDispatchMode")
-
-    if not isinstance(model, torch.nn.Module):
-        return None
-    params, seen = {id(p) for p in model.parameters()}, set()
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.update(id(a) for a in pytree.tree_leaves((args, kwargs)) if id(a) in params)
-            return func(*args, **(kwargs or {}))
-
-    try:
-        with torch.no_grad(), Reads():
-            model(*margs, **mkwargs)
-    except Exception:  # the plan is already shown; this is only a warning
-        return None
-    return seen
-
-
 def cmd_inspect(args) -> int:
     if args.target.endswith(".onnx"):
         return _inspect_onnx(args)
     from .explain import trace
+    from .model_spec import load_model
     from .render import floating, module_tree, to_dot, to_html
-    from .target import load_target
 
-    model, margs, mkwargs = load_target(args.target, args.input)
+    model, margs, mkwargs = load_model(args.target, args.input)
     backend = trace(model, *margs, dtype=args.dtype, options=_options(args), **mkwargs)
     plan = backend.plan()
     if backend.compiled == 0 and args.format != "table":  # the table says it itself
         sys.stderr.write(f"amp-compiler: warning: {NOTHING_COMPILED}\n")
-    used = _touched(model, margs, mkwargs) if backend.coverage.with_parameters else None
+    used = parameters_read(model, margs, mkwargs) if backend.coverage.with_parameters else None
     partly = backend.coverage.parameters_outside_warning(model, used) if used is not None else None
     if partly:
         sys.stderr.write(f"amp-compiler: warning: {partly.removeprefix('amp: ')}\n")
@@ -180,7 +154,7 @@ def _tree_text(tree, path: str | None) -> str:
 
 
 def _inspect_onnx(args) -> int:
-    from .onnx_export.coverage import inspect_onnx
+    from .onnx_export.kernels import inspect_onnx
 
     if not os.path.isfile(args.target):
         raise CliError(f"no such file: {args.target!r}")
@@ -195,9 +169,9 @@ def _inspect_onnx(args) -> int:
 
 def cmd_doctor(args) -> int:
     from .doctor import diagnose, diagnosis_to_dict, format_diagnosis
-    from .target import load_target
+    from .model_spec import load_model
 
-    model, margs, mkwargs = load_target(args.target, args.input)
+    model, margs, mkwargs = load_model(args.target, args.input)
     diagnosis = diagnose(model, margs, mkwargs, dtypes=tuple(args.dtype), options=_options(args))
     if args.format == "json":
         text = json.dumps(diagnosis_to_dict(diagnosis), indent=2)
@@ -208,12 +182,12 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from .model_spec import load_model
     from .onnx_export import ExportError, export_onnx
-    from .target import load_target
 
     if not args.output.endswith(".onnx"):
         raise CliError(f"-o {args.output!r}: the output file must end in .onnx")
-    model, margs, mkwargs = load_target(args.target, args.input)
+    model, margs, mkwargs = load_model(args.target, args.input)
     dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
     try:
         report = export_onnx(
@@ -435,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = ["bf16", "fp16"]
     try:
         return args.func(args)
-    except (CliError, TargetError, AmpOptionsError) as e:
+    except (CliError, ModelSpecError, AmpOptionsError) as e:
         if args.traceback:
             raise
         sys.stderr.write(f"amp-compiler: error: {e}\n")

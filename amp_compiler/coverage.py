@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .capture import tensor_attributes
-from .upstream.torch_private import FakeTensor, private
+from .upstream.torch_private import FakeTensor, private, pytree
 
 log = logging.getLogger("amp_compiler")
 
@@ -164,6 +164,29 @@ class Coverage:
         self.graphs = self.with_parameters = 0
         self.parameter_ids.clear()
         self.mark()
+
+
+def parameters_read(model, margs, mkwargs) -> set[int] | None:
+    """ids of the parameters one eager forward reads (a parameter it never reads is in no
+    graph either, and is no sign of code run outside them); None when that cannot be told
+    (not a module, or its eager forward fails): then nothing is said."""
+    TorchDispatchMode = private("torch.utils._python_dispatch.TorchDispatchMode")
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    params, seen = {id(p) for p in model.parameters()}, set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.update(id(a) for a in pytree.tree_leaves((args, kwargs)) if id(a) in params)
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with torch.no_grad(), Reads():
+            model(*margs, **mkwargs)
+    except Exception:  # the plan is already shown; this is only a warning
+        return None
+    return seen
 
 
 def check_share(value: float) -> float:

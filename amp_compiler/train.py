@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE
 from .cpu_memory import MemoryReuse
 from .device import module_device
 from .distributed import any_rank, install_comm_hook
+from .ds_config import AmpConfig, merge
 from .monitor import NonFiniteMonitor
 from .optim import FusedUpdate, unsupported
 from .scaler import LossScaler, nonfinite
@@ -295,7 +295,7 @@ def make_train_step(
 
     ``dtype``: "auto" (the default: what the device runs fast: BF16, else FP16 with loss
     scaling, else FP32 without a scaler), "bf16", "fp16" or "fp32".
-    ``config``: a DeepSpeed-style dict or JSON path (``amp_compiler.config``) giving the
+    ``config``: a DeepSpeed-style dict or JSON path (``amp_compiler.ds_config``) giving the
     dtype, the FP16 scaler, the policy ("amp" section), clipping and accumulation; an
     argument given here as well must agree with it; ``compile_options`` win over its "amp"
     section.

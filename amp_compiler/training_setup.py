@@ -29,11 +29,11 @@ import weakref
 import torch
 
 from .backend import AmpBackend
-from .config import AmpConfig, merge
 from .coverage import MAX_UNCOMPILED_SHARE, check_share
 from .cpu_memory import ReuseRule
 from .device import resolve_dtype
 from .distributed import agree_on_dtype, agree_on_memory, check_same_plan, check_same_settings
+from .ds_config import AmpConfig, merge
 from .options import AmpOptions
 from .scaler import LossScaler
 

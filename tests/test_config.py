@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import MLP, OpRecorder, recording_backend
 
 from amp_compiler import AmpBackend, make_train_step
-from amp_compiler.config import AmpConfig, AmpConfigError
+from amp_compiler.ds_config import AmpConfig, AmpConfigError
 
 FP16 = {
     "fp16": {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from .coverage import value_types
+from .kernels import value_types
 
 log = logging.getLogger("amp_compiler")
 

@@ -17,7 +17,7 @@ import torch
 
 from ..plan import GraphPlan
 from .base import ANSI, EXPORT_DTYPES, TARGETS, ExportError
-from .coverage import ORT_VERSION
+from .kernels import ORT_VERSION
 from .openvino import refuse_without_native_bf16, write_settings
 from .openvino import settings_path as openvino_settings
 from .parity import check_parity

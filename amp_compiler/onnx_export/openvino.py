@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from .base import ExportError
-from .coverage import value_types
+from .kernels import value_types
 from .structure import FP32_ONNX_OPS, LOW_ONNX_OPS
 
 # Session settings that keep the plan: OpenVINO computes each op in its inputs' precision.

@@ -17,8 +17,8 @@ from torch.export.graph_signature import InputKind
 
 from ..upstream.torch_private import pytree
 from .base import ANSI, ExportError
-from .coverage import value_types
 from .emulation import emulate_low
+from .kernels import value_types
 from .structure import LOW_ONNX_OPS
 
 log = logging.getLogger("amp_compiler")

@@ -20,7 +20,7 @@ from ..plan import GraphPlan
 from ..policy import LOW_DTYPES, Precision
 from ..upstream.torch_private import private
 from .base import ExportError
-from .coverage import export_fp32_pins
+from .kernels import export_fp32_pins
 
 log = logging.getLogger("amp_compiler")
 

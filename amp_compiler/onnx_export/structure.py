@@ -7,7 +7,7 @@ import logging
 
 from ..plan import GraphPlan
 from .base import ExportError
-from .coverage import FLOAT_NAMES, ORT_VERSION, has_kernel, value_types
+from .kernels import FLOAT_NAMES, ORT_VERSION, has_kernel, value_types
 
 log = logging.getLogger("amp_compiler")
 

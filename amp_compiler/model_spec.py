@@ -28,17 +28,17 @@ _DTYPES = {
 _INPUT = re.compile(r"^(\d+(?:x\d+)*)(?::(\w+))?(?::(-?\d+)-(-?\d+))?$")
 
 
-class TargetError(Exception):
+class ModelSpecError(Exception):
     """A target or input spec the user must fix; the message says how."""
 
 
 def load_factory(spec: str):
     if ":" not in spec:
-        raise TargetError(f"target {spec!r} must be 'package.module:factory' or 'path/to/file.py:factory'")
+        raise ModelSpecError(f"target {spec!r} must be 'package.module:factory' or 'path/to/file.py:factory'")
     where, _, name = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
-            raise TargetError(f"no such file: {where!r}")
+            raise ModelSpecError(f"no such file: {where!r}")
         mod_name = "_amp_target_" + re.sub(r"\W", "_", os.path.abspath(where))
         module_spec = importlib.util.spec_from_file_location(mod_name, where)
         module = importlib.util.module_from_spec(module_spec)
@@ -46,17 +46,17 @@ def load_factory(spec: str):
         try:
             module_spec.loader.exec_module(module)
         except Exception as e:
-            raise TargetError(f"importing {where!r} failed: {type(e).__name__}: {e}") from None
+            raise ModelSpecError(f"importing {where!r} failed: {type(e).__name__}: {e}") from None
         finally:
             sys.path.pop(0)
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise TargetError(f"cannot import module {where!r}: {type(e).__name__}: {e}") from None
+            raise ModelSpecError(f"cannot import module {where!r}: {type(e).__name__}: {e}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise TargetError(f"{where!r} has no callable {name!r}")
+        raise ModelSpecError(f"{where!r} has no callable {name!r}")
     return factory
 
 
@@ -64,11 +64,11 @@ def parse_input(spec: str) -> torch.Tensor:
     """'2x128:int64' -> random ints in [0, 10); '2x3x32x32' -> randn; ':lo-hi' sets the int range."""
     m = _INPUT.match(spec)
     if not m:
-        raise TargetError(f"--input {spec!r}: write SHAPE[:DTYPE[:LOW-HIGH]], e.g. 2x128:int64 or 4x3x32x32")
+        raise ModelSpecError(f"--input {spec!r}: write SHAPE[:DTYPE[:LOW-HIGH]], e.g. 2x128:int64 or 4x3x32x32")
     shape = [int(s) for s in m.group(1).split("x")]
     dtype = _DTYPES.get(m.group(2) or "float32")
     if dtype is None:
-        raise TargetError(f"--input {spec!r}: unknown dtype {m.group(2)!r}; use one of {sorted(_DTYPES)}")
+        raise ModelSpecError(f"--input {spec!r}: unknown dtype {m.group(2)!r}; use one of {sorted(_DTYPES)}")
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype)
     if dtype == torch.bool:
@@ -77,25 +77,25 @@ def parse_input(spec: str) -> torch.Tensor:
     return torch.randint(low, high, shape, dtype=dtype)
 
 
-def load_target(spec: str, inputs: list[str] | None = None) -> tuple[torch.nn.Module, tuple, dict]:
+def load_model(spec: str, inputs: list[str] | None = None) -> tuple[torch.nn.Module, tuple, dict]:
     """(model, args, kwargs) from a factory returning a model or (model, example_inputs)."""
     torch.manual_seed(0)
     factory = load_factory(spec)
     try:
         made = factory()
     except Exception as e:
-        raise TargetError(f"factory {spec!r} failed: {type(e).__name__}: {e}") from None
+        raise ModelSpecError(f"factory {spec!r} failed: {type(e).__name__}: {e}") from None
     model, example = (
         made if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module) else (made, None)
     )
     if not isinstance(model, torch.nn.Module):
-        raise TargetError(
+        raise ModelSpecError(
             f"factory {spec!r} returned {type(model).__name__}, not an nn.Module (or a (model, example_inputs) pair)"
         )
     if inputs:
         example = tuple(parse_input(s) for s in inputs)
     if example is None:
-        raise TargetError(
+        raise ModelSpecError(
             f"factory {spec!r} returned no example inputs; give them with "
             "--input SHAPE[:DTYPE] (repeatable), e.g. --input 2x128:int64"
         )
@@ -114,7 +114,7 @@ def _split(example: Any) -> tuple[tuple, dict]:
 def load_batches(spec: str, inputs: list[str] | None, n: int) -> tuple[torch.nn.Module, list]:
     """(model, n batches): the model from the first factory call; each batch from another
     call under its own seed (or freshly drawn from the ``--input`` specs)."""
-    model, args, kwargs = load_target(spec, inputs)
+    model, args, kwargs = load_model(spec, inputs)
     batches = [kwargs or args]
     factory = load_factory(spec)
     for i in range(1, n):
