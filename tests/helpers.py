@@ -175,21 +175,79 @@ class ConvNet(nn.Module):
         return self.head(self.features(x))
 
 
-def tiny_llama(attn: str | None = None) -> nn.Module:
-    """transformers' Llama from a small config (2 layers, d=32, one KV head, 100 tokens)."""
+# -- the tiny Hugging Face models the tests build from configs (no download), in one place
+
+
+def tiny_llama(attn: str | None = None, *, seed: int | None = None, **config) -> nn.Module:
+    """transformers' Llama from a small config (2 layers, d=32, one KV head, 100 tokens);
+    ``config`` overrides any field, ``seed`` seeds the initialisation."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
+    base = dict(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         vocab_size=100,
-        **({"attn_implementation": attn} if attn else {}),
-    )
-    return transformers.LlamaForCausalLM(config)
+    )  # fmt: skip
+    if attn:
+        base["attn_implementation"] = attn
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config}))
+
+
+def tiny_gpt2(*, seed: int | None = None, **config) -> nn.Module:
+    """transformers' GPT-2 LM from a small config (2 layers, d=32, 96 tokens, 32 positions);
+    ``config`` overrides any field, ``seed`` seeds the initialisation."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    base = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))
+
+
+# -- a decoder that computes its own loss, as a Hugging Face model given labels does
+
+
+def hf_causal_loss(logits, labels):
+    """transformers' ForCausalLMLoss: FP32 logits, labels padded and shifted, -100 ignored."""
+    logits = logits.float()
+    labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1), ignore_index=-100)
+
+
+class TinyDecoder(nn.Module):
+    """Embedding -> Linear+GELU -> a vocabulary projection; given labels it returns its loss,
+    ``losses[loss]`` (a subclass adds the ways models write one)."""
+
+    losses = {"hf": hf_causal_loss}
+
+    def __init__(self, loss="hf", vocab=8192, d=32, tied=False, bias=False, returns_logits=False):
+        super().__init__()
+        self.loss, self.returns_logits = loss, returns_logits
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.head = nn.Linear(d, vocab, bias=bias)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.body(self.emb(ids)))
+        if labels is None:  # the loss is the caller's
+            return logits
+        loss = self.losses[self.loss](logits, labels)
+        return (loss, logits) if self.returns_logits else loss
+
+
+def causal_batch(seed=1, vocab=8192, seq=32):
+    """Token ids and labels (2 x ``seq``), the first row's first 5 labels masked (a prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return ids, labels
 
 
 def grads(model: nn.Module) -> torch.Tensor:

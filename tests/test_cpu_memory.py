@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-from helpers import FakeGlibc
+from helpers import FakeGlibc, tiny_gpt2
 
 from amp_compiler import cpu_memory, make_train_step
 from amp_compiler.cpu_memory import MemoryReuse, reuse_freed_memory, reuse_if_remapping
@@ -150,10 +150,7 @@ def test_trainer_callback_decides_after_the_first_update(libc, monkeypatch, tmp_
 
     monkeypatch.setattr(cpu_memory, "FRESH_PER_STEP", 0)
     monkeypatch.setattr(cpu_memory, "room_bytes", lambda: None)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2(seed=0, vocab_size=64, n_positions=16, n_embd=16, n_layer=1)
     ids = torch.randint(0, 64, (8, 16))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(

@@ -335,13 +335,12 @@ def _head_worker(rank, port, wrap, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from helpers import OpRecorder, recording_backend
-        from test_loss_head import Decoder, _batch
+        from helpers import OpRecorder, TinyDecoder, causal_batch, recording_backend
 
         import amp_compiler
 
         torch.manual_seed(0)
-        model = Decoder()
+        model = TinyDecoder()
         if wrap == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -361,7 +360,7 @@ def _head_worker(rank, port, wrap, results):
             dtype="bf16",
             compile_options={"inner": recording_backend(rec)},
         )
-        ids, labels = _batch(seed=rank)
+        ids, labels = causal_batch(seed=rank)
         losses = [step((ids, labels)).loss.item() for _ in range(4)]
         params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
         results[rank] = (

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend, tiny_llama
+from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend, tiny_gpt2, tiny_llama
 
 from amp_compiler import AmpBackend
 
@@ -31,10 +31,7 @@ FP32_FWD = (
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(vocab_size=100, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
 
 
 def llama(attn="sdpa"):

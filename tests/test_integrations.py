@@ -12,7 +12,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers import NormHead, OpRecorder, cosine, grads, recording_backend, two_ranks  # noqa: E402
+from helpers import NormHead, OpRecorder, cosine, grads, recording_backend, tiny_gpt2, two_ranks  # noqa: E402
 
 import amp_compiler.device  # noqa: E402
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
@@ -33,9 +33,7 @@ class Ids(torch.utils.data.Dataset):
 
 
 def gpt2():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(seed=0)
 
 
 def args(tmp_path, **kw):

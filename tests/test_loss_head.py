@@ -13,7 +13,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import MATMULS, OpRecorder, cosine, recording_backend
+from helpers import (
+    MATMULS,
+    OpRecorder,
+    TinyDecoder,
+    causal_batch,
+    cosine,
+    hf_causal_loss,
+    recording_backend,
+    tiny_llama,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -450,33 +459,6 @@ def test_a_block_holds_16_mib_of_fp32_logits():
 # -- the pass ----------------------------------------------------------------------------
 
 
-class Decoder(nn.Module):
-    """Embedding -> Linear+GELU -> a loss head written one of the ways models write it."""
-
-    def __init__(self, loss="hf", vocab=V, tied=False, bias=False, returns_logits=False):
-        super().__init__()
-        self.loss, self.returns_logits = loss, returns_logits
-        self.emb = nn.Embedding(vocab, D)
-        self.body = nn.Sequential(nn.Linear(D, D), nn.GELU())
-        self.head = nn.Linear(D, vocab, bias=bias)
-        if tied:
-            self.head.weight = self.emb.weight
-
-    def forward(self, ids, labels=None):
-        logits = self.head(self.body(self.emb(ids)))
-        if labels is None:  # the loss is the caller's
-            return logits
-        loss = LOSSES[self.loss](logits, labels)
-        return (loss, logits) if self.returns_logits else loss
-
-
-def _hf(logits, labels):  # transformers' ForCausalLMLoss
-    logits = logits.float()
-    labels = F.pad(labels, (0, 1), value=-100)
-    shift = labels[..., 1:].contiguous()
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1), ignore_index=-100)
-
-
 def _token_logps(logits, labels):  # what DPO/KTO trainers gather
     logps = torch.gather(logits.float().log_softmax(-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (logps * (labels != -100)).sum() / (labels != -100).sum()
@@ -493,7 +475,7 @@ def _stats(logits, labels):  # what TRL's head is traced to (integrations/trl_he
 
 
 LOSSES = {
-    "hf": _hf,
+    "hf": hf_causal_loss,
     "shifted": lambda z, y: F.cross_entropy(z[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten()),
     "sum_smoothed": lambda z, y: (
         F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="sum", label_smoothing=0.1) / 64
@@ -515,15 +497,13 @@ LOSSES = {
 }
 
 
-def _batch(seed=1, vocab=V, seq=32):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, seq), generator=g)
-    labels = ids.clone()
-    labels[0, :5] = -100  # a masked prompt
-    return ids, labels
+class Decoder(TinyDecoder):
+    """A decoder whose loss head is written one of the ways models write it (``LOSSES``)."""
+
+    losses = LOSSES
 
 
-BATCH = _batch()
+BATCH = causal_batch()
 
 
 def _run(model, loss_head, dynamic=None, batches=(BATCH,), dtype="bf16", rec=None, **options):
@@ -634,7 +614,7 @@ def test_exact_head_matches_fp64_and_default_is_no_worse_than_16_bit():
     model = Decoder("token_logps", vocab=vocab)
     hidden = {}
     model.body.register_forward_hook(lambda m, i, o: hidden.__setitem__("h", o.detach()))
-    batch = _batch(vocab=vocab)
+    batch = causal_batch(vocab=vocab)
     model(*batch)
     with torch.no_grad():  # logits of a trained model's size
         model.head.weight.mul_(4 / model.head(hidden["h"]).std())
@@ -944,7 +924,7 @@ def test_a_head_left_as_written_says_why(loss, why):
     torch.manual_seed(0)
     vocab = 64 if why.startswith("vocabulary") else V
     model = Decoder(loss, vocab=vocab)
-    backend, rec, _, _ = _run(model, "fused", batches=[_batch(vocab=vocab)])
+    backend, rec, _, _ = _run(model, "fused", batches=[causal_batch(vocab=vocab)])
     assert not rec.dtypes_of(HEAD) and not _fused(backend)
     reasons = [n.reason for n in backend.nodes if "loss head not fused" in n.reason]
     assert reasons and why in reasons[0]
@@ -1003,7 +983,7 @@ def test_logits_returned_too_are_kept_intact_and_projected_once():
         assert cosine(p.grad.flatten(), q.grad.flatten()) > 0.999
 
 
-LONG = _batch(seq=256)
+LONG = causal_batch(seq=256)
 
 
 def test_a_training_graph_computes_its_heads_gradients_in_forward():
@@ -1056,7 +1036,7 @@ def test_inductors_partitioner_keeps_the_one_pass_head_in_forward(kept, monkeypa
     assert len(calls) == (0 if kept else 1)
 
 
-BATCH_64 = _batch(seq=64)
+BATCH_64 = causal_batch(seq=64)
 
 
 def test_a_frozen_head_computes_only_its_inputs_gradient_in_forward():
@@ -1111,7 +1091,7 @@ class WrittenOutTiedHead(Decoder):
     """``h @ self.emb.weight.T``: the tied head as nanoGPT-style code writes it, no nn.Linear."""
 
     def forward(self, ids, labels):
-        return _hf(self.body(self.emb(ids)) @ self.emb.weight.T, labels)
+        return hf_causal_loss(self.body(self.emb(ids)) @ self.emb.weight.T, labels)
 
 
 def test_a_tied_head_written_as_a_matmul_is_fused():
@@ -1160,8 +1140,8 @@ def test_training_step_fuses_a_loss_given_beside_the_model(dtype):
     model, rec = Decoder(), OpRecorder()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     options = {"inner": recording_backend(rec), "loss_head": "fused"}
-    step = make_train_step(model, opt, _hf, dtype=dtype, compile_options=options)
-    ids, labels = _batch()
+    step = make_train_step(model, opt, hf_causal_loss, dtype=dtype, compile_options=options)
+    ids, labels = causal_batch()
     results = [step(ids, labels) for _ in range(6)]
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     assert rec.dtypes_of(HEAD) and all(d[:2] == [low, torch.float32] for d in rec.dtypes_of(HEAD))
@@ -1175,7 +1155,7 @@ def test_doctor_sees_the_fused_loss_beside_the_one_it_replaces():
     from amp_compiler.compare import run_side_by_side
 
     torch.manual_seed(0)
-    run = run_side_by_side(Decoder("hf"), _batch(), {}, "bf16", None)
+    run = run_side_by_side(Decoder("hf"), causal_batch(), {}, "bf16", None)
     (loss,) = [n for n in run.nodes if n.name == "cross_entropy_loss"]
     assert 0 < loss.rel_error < 1e-2 and not loss.nonfinite
 
@@ -1184,20 +1164,9 @@ def test_hugging_face_causal_lm_with_labels_fuses_and_returns_its_logits():
     """A transformers causal LM (ForCausalLMLoss: .float(), pad-and-shift, ignore_index=-100)
     called with labels: the loss's statistics are read from the BF16 logits it returns (no
     FP32 log-probs kept), the returned logits are the unfused graph's."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(seed=0, vocab_size=V, num_hidden_layers=1, max_position_embeddings=64)
     plain = copy.deepcopy(model)
-    ids, labels = _batch()
+    ids, labels = causal_batch()
 
     def run(m, mode):
         rec = OpRecorder()
@@ -1224,8 +1193,10 @@ def test_training_curve_is_the_unfused_heads():
         torch.manual_seed(0)
         model = Decoder()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        step = make_train_step(model, opt, _hf, dtype="bf16", compile_options={"inner": "aot_eager", "loss_head": mode})
-        return [step(*_batch(seed=i % 4)).loss.item() for i in range(30)]
+        step = make_train_step(
+            model, opt, hf_causal_loss, dtype="bf16", compile_options={"inner": "aot_eager", "loss_head": mode}
+        )
+        return [step(*causal_batch(seed=i % 4)).loss.item() for i in range(30)]
 
     fused, off = curve("fused"), curve("off")
     assert off[-1] < 0.9 * off[0]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import ConvNet, TinyLM, tiny_llama
+from helpers import ConvNet, TinyLM, tiny_gpt2, tiny_llama
 
 from amp_compiler import ExportError, export_onnx
 from amp_compiler.onnx_export import emulate_low
@@ -63,10 +63,7 @@ def reference_evaluator_matches(path, feeds, expected, tol=0.05):
 
 
 def gpt2():
-    transformers = _hf()
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
-    )
+    return tiny_gpt2(vocab_size=100, n_positions=64)
 
 
 def bert():

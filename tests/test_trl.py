@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from helpers import MATMULS, OpRecorder, recording_backend  # noqa: E402
+from helpers import MATMULS, OpRecorder, recording_backend, tiny_llama  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from amp_compiler.integrations.transformers import AmpCallback  # noqa: E402
@@ -31,13 +31,16 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=125, bos_token_id=126, eos_token_id=127,
+# the tokenizer's special tokens: <pad>, <s>, </s> after 125 words
+SPECIAL = dict(pad_token_id=125, bos_token_id=126, eos_token_id=127)
+
+
+def llama(**config) -> LlamaForCausalLM:
+    base = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64,
     )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(seed=0, **{**base, **SPECIAL, **config})
 
 
 def words(g: torch.Generator, n: int) -> str:
@@ -246,12 +249,8 @@ def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
     callback = AmpCallback(inner=recording_backend(rec), max_uncompiled_share=0.0)
     g = torch.Generator().manual_seed(0)
     ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=125, bos_token_id=126, eos_token_id=127,
-    )  # fmt: skip
-    trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=SFTConfig(**common(tmp_path)), train_dataset=ds,
+    model = llama(intermediate_size=96, num_hidden_layers=1, max_position_embeddings=2048)
+    trainer = SFTTrainer(model=model, args=SFTConfig(**common(tmp_path)), train_dataset=ds,
                          processing_class=tokenizer(), callbacks=[callback])  # fmt: skip
     trainer.train()
     head = [c for c in rec.calls if c[0] in MATMULS and 128 in c[2]]
@@ -283,14 +282,11 @@ def test_sft_head_runs_as_amps_fused_head_with_entropy_and_top1(tmp_path):
     )
     logs, recs = {}, {}
     for head in ("fused", "off"):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=125, bos_token_id=126, eos_token_id=127,
-        )  # fmt: skip
+        model = llama(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      max_position_embeddings=2048)  # fmt: skip
         recs[head] = rec = OpRecorder()
         callback = AmpCallback(inner=recording_backend(rec), loss_head=head)
-        trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=SFTConfig(**common(tmp_path / head)), train_dataset=ds,
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common(tmp_path / head)), train_dataset=ds,
                              processing_class=tokenizer(), callbacks=[callback])  # fmt: skip
         trainer.train()
         logs[head] = [h for h in trainer.state.log_history if "entropy" in h]

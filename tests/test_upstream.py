@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 from amp_compiler import policy
 from amp_compiler.upstream import aten as upstream_aten
@@ -194,12 +195,7 @@ PATCH_CANARIES = {
 
 
 def _checkpointed_layer_has_func() -> bool:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
     model.gradient_checkpointing_enable()
     return any(
         getattr(m, "gradient_checkpointing", False) and callable(getattr(m, "_gradient_checkpointing_func", None))
