@@ -15,6 +15,7 @@ Tests replace ``native_dtypes`` to play other devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -22,6 +23,8 @@ import statistics
 import time
 
 import torch
+
+from .upstream.torch_private import private
 
 log = logging.getLogger("amp_compiler")
 
@@ -210,3 +213,66 @@ def memory_bytes(device: torch.device) -> int:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = cgroup_limit()
     return int(ram if limit is None else min(ram, limit))
+
+
+# -- what a GEMM here writes, and in what it multiplies
+
+
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit matrices, the FP32 accumulator written out unrounded."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+_FP32_OUT_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def gemm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``dtype`` matrices on ``device`` writes its FP32 accumulator (``mm``
+    with ``out_dtype``: CUDA; torch 2.13 has no CPU kernel for it). Probed once per device."""
+    key = (str(device), dtype)
+    if key not in _FP32_OUT_MM:
+        ok = device.type != "cpu"
+        if ok:
+            try:
+                one = torch.ones(1, 1, dtype=dtype, device=device)
+                ok = mm_fp32_out(one, one).dtype == torch.float32
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _FP32_OUT_MM[key] = ok
+    return _FP32_OUT_MM[key]
+
+
+@contextlib.contextmanager
+def bf16_products():
+    """oneDNN runs the FP32 GEMMs inside with their products in BF16 (``fpmath_mode`` bf16),
+    accumulating and writing FP32. The setting is process-wide: an FP32 GEMM another thread
+    runs meanwhile takes it too."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+_BF16_PRODUCTS: dict[str, bool] = {}
+
+
+def bf16_products_native(device: torch.device) -> bool:
+    """Whether ``bf16_products`` takes effect on this CPU: oneDNN implements it with AMX (on
+    an AVX512-BF16 CPU without AMX it computes in FP32, as torch 2.13's build does here).
+    Probed once: ``1 + 2^-10`` is no BF16, so a BF16 product of it gives 32, an FP32 one 32.03."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if "cpu" not in _BF16_PRODUCTS:
+        ok = "bf16" in native_dtypes(device)[0]
+        if ok:
+            try:  # on real tensors, even where a compile's fake mode is active
+                with private("torch._subclasses.fake_tensor.unset_fake_temporarily")(), bf16_products():
+                    a = torch.full((32, 32), 1 + 2**-10)
+                    ok = torch.mm(a, torch.ones(32, 32))[0, 0].item() == 32.0
+            except (RuntimeError, AttributeError):
+                ok = False
+        _BF16_PRODUCTS["cpu"] = ok
+    return _BF16_PRODUCTS["cpu"]

@@ -28,8 +28,6 @@ import torch
 
 from amp_compiler.device import memory_bytes
 from amp_compiler.loss_head import (
-    MAX_ROWS,
-    MIN_VOCAB,
     NO_IGNORE,
     UNDECIDED,
     ahead_bytes,
@@ -39,6 +37,7 @@ from amp_compiler.loss_head import (
     exact_products,
     format_chain,
     parse_chain,
+    settings,
 )
 from amp_compiler.meta import NodeInfo, dtype_name, info
 from amp_compiler.policy import Precision
@@ -161,8 +160,9 @@ class _Fusion:
         vocab, width = _val(w).shape
         if not isinstance(vocab, int) or not isinstance(width, int):
             raise _NotFused("the vocabulary or hidden size is dynamic")
-        if vocab < MIN_VOCAB:
-            raise _NotFused(f"vocabulary of {vocab} < {MIN_VOCAB}: its logits are small, fusing saves little")
+        least = settings().min_vocab
+        if vocab < least:
+            raise _NotFused(f"vocabulary of {vocab} < {least}: its logits are small, fusing saves little")
         # the FP32 master weight (not its 16-bit copy): cast per call, its gradient kept FP32
         w, b = _source(w), _source(b)
         exact = self.ctx.options.loss_head == "exact" or _val(h).dtype == torch.float32
@@ -389,7 +389,7 @@ class _Fusion:
                     args += [self.grads, float(smoothing)]
                     device = _val(h).device
                     itemsize = ahead_itemsize(device, low, exact)
-                    rows, cols = ahead_shape(tokens or MAX_ROWS, vocab, itemsize, device.type)
+                    rows, cols = ahead_shape(tokens or settings().max_rows, vocab, itemsize, device.type)
                     grads = (
                         f"blocks of up to {rows} tokens x {cols} vocabulary entries, its gradients computed in forward "
                         "while each block's logits are at hand (no projection again in backward, which scales "

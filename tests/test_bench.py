@@ -205,7 +205,7 @@ def test_head_block_tool_times_both_ways_of_the_same_math(capsys):
     at = torch.randint(-1, 16, (16,), generator=g)
     top, zeros = torch.full((16,), float("-inf")), torch.zeros(16)
     want = head_block.eager_forward(z, top, zeros.clone(), at)
-    got = loss_head._stats_block(z, loss_head._start(16, z), at, (), False, (False, False, False))
+    got = loss_head.kernels.stats_block(z, loss_head.kernels.start_stats(16, z), at, (), False, (False, False, False))
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     torch.testing.assert_close(got[2], torch.where(at >= 0, want[2], 0.0))
@@ -259,25 +259,25 @@ def test_head_decoder_sets_the_one_pass_heads_row_blocks(tmp_path, monkeypatch):
     computed in forward; the flag's blocks are what the op ran with."""
     import head_decoder
 
-    for name in ("AHEAD_BYTES", "AHEAD_MIN_ROWS", "AHEAD_MIN_ROWS_AMX"):
-        monkeypatch.setattr(loss_head, name, getattr(loss_head, name))  # restored after the test
     shapes = []
     real = loss_head.ahead_shape
-    monkeypatch.setattr(loss_head, "ahead_shape", lambda *a, **k: shapes.append(real(*a, **k)) or shapes[-1])
+    # a spy on the shapes the op cuts its blocks to
+    monkeypatch.setattr(loss_head.ops, "ahead_shape", lambda *a, **k: shapes.append(real(*a, **k)) or shapes[-1])
+    before = loss_head.settings()
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "128", "--reps", "1", "--variants", "fused"]
     out = tmp_path / "h.json"
     with torch.profiler.profile() as prof:
         assert head_decoder.main([*argv, "--ahead-rows", "64", "--json", str(out)]) == 0
     assert any(e.name == "amp::head_stats_backward_ahead" for e in prof.events())
     assert json.loads(out.read_text())["size"]["ahead_rows"] == 64
-    assert (64, 8192) in shapes
+    assert (64, 8192) in shapes and loss_head.settings() == before  # the flag's rows, then the defaults again
     with pytest.raises(SystemExit, match="--ahead-rows: a positive number"):
         head_decoder.main([*argv, "--ahead-rows", "0"])
 
 
 def _split_gemms(monkeypatch) -> list[int]:
     """GEMMs run under oneDNN's BF16 products, a count per time the mode is switched on."""
-    split, mode = [], loss_head._bf16_products
+    split, mode = [], loss_head.exact.bf16_products
 
     @contextlib.contextmanager
     def counted():
@@ -285,7 +285,7 @@ def _split_gemms(monkeypatch) -> list[int]:
             yield
         split.append(sum(e.name in ("aten::mm", "aten::addmm_") for e in prof.events()))
 
-    monkeypatch.setattr(loss_head, "_bf16_products", counted)
+    monkeypatch.setattr(loss_head.exact, "bf16_products", counted)
     return split
 
 
@@ -299,24 +299,24 @@ def test_head_decoder_exact_variants_split_as_they_say(tmp_path, monkeypatch, ca
     import head_decoder
 
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
-    assert head_decoder.main([*argv, "--variants", "exact,exact-split,exact-fp32"]) == 0
+    with loss_head.tuned(bf16_products=False):
+        assert head_decoder.main([*argv, "--variants", "exact,exact-split,exact-fp32"]) == 0
     printed = capsys.readouterr().out
     for name in ("exact-split", "exact-fp32"):
         assert f"{name} left out" in printed and f"{name}: " not in printed
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "_SPLIT_MS", {32: (3.0, 1.0)})
     split = _split_gemms(monkeypatch)
     out = tmp_path / "h.json"
-    assert head_decoder.main([*argv, "--variants", "exact-split", "--json", str(out)]) == 0
-    assert split and set(split) == {3}
-    for name in ("exact", "exact-fp32"):
-        split.clear()
-        assert head_decoder.main([*argv, "--variants", name]) == 0
-        assert not split, name
-    machine = json.loads(out.read_text())["machine"]
-    assert machine["bf16_products"] is True and machine["split_timings"] == {"32": [3.0, 1.0]}
-    assert loss_head.SPLIT_ONEDNN == "auto" and loss_head.exact_products(torch.device("cpu"), 32) == "fp32"
+    with loss_head.tuned(bf16_products=True, split_ms={32: (3.0, 1.0)}):
+        assert head_decoder.main([*argv, "--variants", "exact-split", "--json", str(out)]) == 0
+        assert split and set(split) == {3}
+        for name in ("exact", "exact-fp32"):
+            split.clear()
+            assert head_decoder.main([*argv, "--variants", name]) == 0
+            assert not split, name
+        machine = json.loads(out.read_text())["machine"]
+        assert machine["bf16_products"] is True and machine["split_timings"] == {"32": [3.0, 1.0]}
+        s = loss_head.settings()
+        assert s.split_onednn == "auto" and loss_head.exact_products(torch.device("cpu"), 32) == "fp32"
 
 
 def test_head_decoder_split_twin_runs_the_split_as_fp32_gemms_where_it_is_not_real(tmp_path, monkeypatch):
@@ -327,16 +327,15 @@ def test_head_decoder_split_twin_runs_the_split_as_fp32_gemms_where_it_is_not_re
     import head_decoder
 
     argv = ["--vocab", "8192", "--d", "32", "--layers", "1", "--seq", "64", "--reps", "1"]
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: False)
-    probe, split = loss_head.bf16_products_native, _split_gemms(monkeypatch)
+    split = _split_gemms(monkeypatch)
     out = tmp_path / "twin.json"
-    assert head_decoder.main([*argv, "--split-twin", "--variants", "exact-split", "--json", str(out)]) == 0
+    with loss_head.tuned(bf16_products=False) as machine:
+        assert head_decoder.main([*argv, "--split-twin", "--variants", "exact-split", "--json", str(out)]) == 0
+        assert loss_head.settings() is machine  # the twin's setting undone
     report = json.loads(out.read_text())
     assert split and set(split) == {3} and "exact-split" in report["variants"]
     assert report["split_twin"] is True and report["machine"]["bf16_products"] is False
-    assert loss_head.bf16_products_native is probe
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    with pytest.raises(SystemExit, match="here the split is real"):
+    with loss_head.tuned(bf16_products=True), pytest.raises(SystemExit, match="here the split is real"):
         head_decoder.main([*argv, "--split-twin"])
 
 

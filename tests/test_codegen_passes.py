@@ -395,12 +395,12 @@ def test_joint_passes_are_one_custom_pass_for_every_inductor():
 def test_an_edited_op_of_amps_changes_inductors_cache_key(tmp_path, monkeypatch):
     """Inductor caches a custom op's call with its default arguments written out: a pass's key
     covers the source of amp's ops, so a changed schema never runs cached code of the old."""
-    from amp_compiler import loss_head
+    from amp_compiler.loss_head import ops
     from amp_compiler.passes.inductor.infra import InductorPass
 
     p = InductorPass("amp_compiler.passes.inductor.recompute_masks", "recompute_masks")
     before = p.uuid()
-    edited = tmp_path / "loss_head.py"
-    edited.write_text(pathlib.Path(loss_head.__file__).read_text() + "\n# a new default\n")
-    monkeypatch.setattr(loss_head, "__file__", str(edited))
+    edited = tmp_path / "ops.py"
+    edited.write_text(pathlib.Path(ops.__file__).read_text() + "\n# a new default\n")
+    monkeypatch.setattr(ops, "__file__", str(edited))
     assert p.uuid() != before

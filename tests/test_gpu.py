@@ -115,15 +115,15 @@ def test_exact_loss_head_runs_split_bf16_gemms_on_cuda(monkeypatch):
 
     if "bf16" not in native_dtypes(CUDA)[0]:
         pytest.skip("no BF16 tensor cores")
-    assert loss_head._split_native(CUDA)  # probed before the spy counts the head's GEMMs
-    calls, mm32 = [], loss_head._mm32
+    assert loss_head.exact.split_native(CUDA)  # probed before the spy counts the head's GEMMs
+    calls, mm32 = [], loss_head.exact.mm_fp32_out
 
     def spy(a, b):
         out = mm32(a, b)
         calls.append((a.dtype, b.dtype, out.dtype))
         return out
 
-    monkeypatch.setattr(loss_head, "_mm32", spy)
+    monkeypatch.setattr(loss_head.exact, "mm_fp32_out", spy)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(512, 256, generator=g) / 2, torch.randn(8192, 256, generator=g) / 2
     t = torch.randint(0, 8192, (512,), generator=g)

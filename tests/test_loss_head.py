@@ -26,8 +26,11 @@ from helpers import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_compiler import AmpBackend, loss_head, make_train_step
-from amp_compiler.loss_head import MIN_VOCAB, NO_IGNORE, block_shape, format_chain, head_stats, logits_stats
+from amp_compiler import AmpBackend, device, loss_head, make_train_step
+from amp_compiler.device import bf16_products, bf16_products_native
+from amp_compiler.loss_head import NO_IGNORE, block_shape, exact, format_chain, head_stats, kernels, logits_stats, tuned
+
+MIN_VOCAB = loss_head.settings().min_vocab
 
 aten = torch.ops.aten
 HEAD = torch.ops.amp.head_stats
@@ -69,17 +72,16 @@ def fresh_kernels(monkeypatch):
     """The block math compiled afresh: other tests' chains and flags, each a recompile of the
     same code, may have spent Dynamo's recompile limit (past it a new variant runs eagerly)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(loss_head, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_KERNELS", {})
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks():
     """Blocks of 10 tokens x 8 vocabulary entries: uneven blocks both ways, the log-sum-exp
     carried across a row's vocabulary blocks."""
-    monkeypatch.setattr(loss_head, "BLOCK_ELEMENTS", 64)
-    monkeypatch.setattr(loss_head, "MAX_ROWS", 10)
-    monkeypatch.setattr(loss_head, "MIN_COLS", 8)
-    assert block_shape(37, 53) == (10, 8)
+    with tuned(block_elements=64, max_rows=10, min_cols=8):
+        assert block_shape(37, 53) == (10, 8)
+        yield
 
 
 @pytest.mark.parametrize("chain", [[], [("m", 1 / 0.7)], [("m", 1 / 30), ("t", 0.0), ("m", 30.0)]])
@@ -137,7 +139,7 @@ def test_block_gradient_writes_no_denormals_at_init_time_logits():
     weight = torch.full((64,), 1 / 4096)  # the mean over 4096 tokens
     at = torch.randint(-1, 512, (64,), generator=g)
     zeros = torch.zeros(64)
-    dz = loss_head._grad_block(z, lse, weight, zeros, -weight, at, (), torch.float32)
+    dz = kernels.grad_block(z, lse, weight, zeros, -weight, at, (), torch.float32)
     exact = torch.softmax(z.double(), 1) * weight.double()[:, None]
     exact[at >= 0, at[at >= 0]] -= weight.double()[at >= 0]
     tiny = torch.finfo(torch.float32).tiny
@@ -161,7 +163,7 @@ def test_block_math_runs_as_written_where_inductor_cannot_compile(small_blocks, 
 
         return run
 
-    monkeypatch.setattr(loss_head, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_KERNELS", {})
     monkeypatch.setattr(torch, "compile", broken)
     got = HEAD(h, w, None, t, "m0.5,t", -100, True, True)
     HEAD(h, w, None, t, "m0.5,t", -100, True, True)
@@ -181,7 +183,7 @@ def test_op_registration_holds():
     b = torch.randn(64, generator=g, requires_grad=True)
     torch.library.opcheck(head_stats, (h, w, b, t, "m0.5,t", -100, False, True, "", "hw", 0.1))
     for op in (torch.ops.amp.head_stats, torch.ops.amp.head_stats_backward_ahead, LOGITS_STATS):
-        assert set(loss_head.SYNCS) <= set(op.default.tags)  # they read back to the host: no CUDA graph
+        assert set(kernels.SYNCS) <= set(op.default.tags)  # they read back to the host: no CUDA graph
     z = (h @ w.t()).detach().requires_grad_()
     torch.library.opcheck(logits_stats, (z, t, "m0.5", -100, True, "entropy,top1"))
 
@@ -190,15 +192,14 @@ def test_op_registration_holds():
 
 
 @pytest.fixture
-def small_ahead(monkeypatch):
+def small_ahead():
     """One-pass blocks of 10 tokens x 8 vocabulary entries (FP64 logits: 10 rows of 53 fit
-    4240 bytes): uneven both ways, rows balanced (37 tokens: 4 blocks of 10, 10, 10, 7)."""
-    monkeypatch.setattr(loss_head, "AHEAD_BYTES", 10 * 53 * 8)
-    monkeypatch.setattr(loss_head, "AHEAD_MIN_ROWS", 2)
-    monkeypatch.setattr(loss_head, "AHEAD_MIN_ROWS_AMX", 2)  # the same blocks on a CPU with AMX
-    monkeypatch.setattr(loss_head, "AHEAD_BLOCK_ELEMENTS", 80)
-    monkeypatch.setattr(loss_head, "MIN_COLS", 8)
-    assert loss_head.ahead_shape(37, 53, 8) == (10, 8)
+    4240 bytes): uneven both ways, rows balanced (37 tokens: 4 blocks of 10, 10, 10, 7); the
+    same blocks on a CPU with AMX."""
+    small = dict(ahead_bytes=10 * 53 * 8, ahead_min_rows=2, ahead_min_rows_amx=2, ahead_block_elements=80)
+    with tuned(**small, min_cols=8):
+        assert loss_head.ahead_shape(37, 53, 8) == (10, 8)
+        yield
 
 
 def _ce(stats, t, vocab, smoothing, reduction):
@@ -254,7 +255,7 @@ def test_one_pass_backward_runs_no_gemm(frozen):
     rows, cols = loss_head.ahead_shape(n, vocab, 2)
     blocks = math.ceil(n / rows) * math.ceil(vocab / cols)
     assert (rows, blocks) == (n, 4)  # 600 x 50000 BF16 logits fit AHEAD_BYTES: one row block
-    recomputed = len([c for _, cols in loss_head._blocks(n, vocab) for c in cols])
+    recomputed = len([c for _, cols in loss_head.blocks.block_grid(n, vocab) for c in cols])
     per_block = 2 if frozen else 3
     grads = {}
     for ahead, forward, backward in [
@@ -283,7 +284,7 @@ def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(smal
     w = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, vocab, (n,), generator=g)
     weight = torch.rand(n, generator=g, dtype=torch.float64)
-    loss_head._warn_recomputed.cache_clear()
+    loss_head.ops._warn_recomputed.cache_clear()
     for loss_of in (lambda s: ((s[1] - s[0]) * weight).sum(), lambda s: (s[1] - s[0]).mean() + s[1].square().mean()):
         ref_grads = torch.autograd.grad(loss_of(HEAD(h, w, None, t, "", -100, True, False)), (h, w))
         loss = loss_of(HEAD(h, w, None, t, "", -100, True, False, "", "hw", 0.0))
@@ -296,17 +297,17 @@ def test_one_pass_head_recomputes_a_gradient_it_did_not_compute_and_says_so(smal
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_one_pass_rows_are_balanced_and_their_logits_bounded(amx, monkeypatch):
+def test_one_pass_rows_are_balanced_and_their_logits_bounded(amx):
     """On either kind of BF16 CPU (the row floor is higher with AMX)."""
-    monkeypatch.setattr(loss_head, "cpu_has_amx", lambda: amx)
-    least = loss_head.AHEAD_MIN_ROWS_AMX if amx else loss_head.AHEAD_MIN_ROWS
-    for tokens, vocab, itemsize in [(2048, 50257, 2), (8192, 151936, 2), (100, 50257, 2), (5000, 32000, 4)]:
-        rows, cols = loss_head.ahead_shape(tokens, vocab, itemsize)
-        blocks = math.ceil(tokens / rows)
-        assert rows * blocks - tokens < blocks  # as many tokens in each row block, to one
-        assert rows <= max(least, loss_head.AHEAD_BYTES // (vocab * itemsize))
-        assert rows * cols <= loss_head.AHEAD_BLOCK_ELEMENTS and cols <= vocab
-    assert loss_head.ahead_shape(2048, 50257, 2)[0] == (2048 if amx else 1024)
+    with tuned(amx=amx) as s:
+        least = s.ahead_min_rows_amx if amx else s.ahead_min_rows
+        for tokens, vocab, itemsize in [(2048, 50257, 2), (8192, 151936, 2), (100, 50257, 2), (5000, 32000, 4)]:
+            rows, cols = loss_head.ahead_shape(tokens, vocab, itemsize)
+            blocks = math.ceil(tokens / rows)
+            assert rows * blocks - tokens < blocks  # as many tokens in each row block, to one
+            assert rows <= max(least, s.ahead_bytes // (vocab * itemsize))
+            assert rows * cols <= s.ahead_block_elements and cols <= vocab
+        assert loss_head.ahead_shape(2048, 50257, 2)[0] == (2048 if amx else 1024)
     head = (torch.randn(4, 8), torch.randn(64, 8), None, torch.zeros(4, dtype=torch.long), "", -100, False, False)
     with pytest.raises(ValueError, match="gradients 'hx': name 'h', 'w' or both"):
         HEAD(*head, "", "hx", 0.0)
@@ -314,12 +315,12 @@ def test_one_pass_rows_are_balanced_and_their_logits_bounded(amx, monkeypatch):
         HEAD(*head, "entropy", "hw", 0.0)
 
 
-def test_one_pass_rows_are_twice_as_many_with_amx(monkeypatch):
+def test_one_pass_rows_are_twice_as_many_with_amx():
     """AMX's faster GEMMs: fewer row blocks (each adds to the weight's FP32 gradient)."""
     gpu = loss_head.ahead_shape(8192, 50257, 4, "cuda")
-    monkeypatch.setattr(loss_head, "cpu_has_amx", lambda: True)
-    assert loss_head.ahead_shape(2048, 50257, 2) == (2048, loss_head.AHEAD_BLOCK_ELEMENTS // 2048)
-    assert loss_head.ahead_shape(8192, 50257, 4, "cuda") == gpu  # a GPU is no AMX CPU
+    with tuned(amx=True) as s:
+        assert loss_head.ahead_shape(2048, 50257, 2) == (2048, s.ahead_block_elements // 2048)
+        assert loss_head.ahead_shape(8192, 50257, 4, "cuda") == gpu  # a GPU is no AMX CPU
 
 
 def _extras_reference(z, t):
@@ -647,8 +648,9 @@ def split_gemm(monkeypatch):
         calls.append((tuple(a.shape), tuple(b.shape)))
         return a.float() @ b.float()
 
-    monkeypatch.setattr(loss_head, "_mm32", mm32)
-    monkeypatch.setattr(loss_head, "_split_native", lambda device: True)
+    monkeypatch.setattr(exact, "mm_fp32_out", mm32)
+    for module in (exact, loss_head.blocks):  # each reads it by name
+        monkeypatch.setattr(module, "split_native", lambda device: True)
     return calls
 
 
@@ -684,7 +686,7 @@ def test_exact_head_through_split_gemms_matches_fp64(split_gemm, small_blocks):
     n, vocab = h.shape[0], w.shape[0]
     h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
     loss = _from_stats(HEAD(h32, w32, None, t, "", -100, True, False), t, vocab, smoothing=0.0)
-    blocks = sum(len(cols) for _, cols in loss_head._blocks(n, vocab))
+    blocks = sum(len(cols) for _, cols in loss_head.blocks.block_grid(n, vocab))
     assert len(split_gemm) == 3 * blocks
     grads = torch.autograd.grad(loss, [h32, w32])
     assert len(split_gemm) == 3 * blocks + 9 * blocks
@@ -733,12 +735,10 @@ def test_exact_head_with_bf16_products_runs_every_gemm_split(
         return loss, grads, len(mms), large, log
 
     loss_head.exact_products(torch.device("cpu"))
-    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", False)  # FP32 GEMMs, also on a CPU with AMX
-    _, _, fp32_gemms, _, _ = run()
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", mode)
-    monkeypatch.setattr(loss_head, "_SPLIT_MS", {h.shape[1]: (1.0, 3.0)})
-    loss, grads, gemms, large, log = run()
+    with tuned(split_onednn=False):  # FP32 GEMMs, also on a CPU with AMX
+        _, _, fp32_gemms, _, _ = run()
+    with tuned(bf16_products=True, split_onednn=mode, split_ms={h.shape[1]: (1.0, 3.0)}):
+        loss, grads, gemms, large, log = run()
     assert fp32_gemms and gemms == 3 * fp32_gemms
     assert large and large <= len(log) <= gemms and all("attr-fpmath:bf16" in ln for ln in log)
     assert abs(loss.item() - ref.item()) < 1e-3
@@ -801,60 +801,57 @@ def test_a_split_is_one_generated_kernel_into_storage_the_blocks_reuse(kind, fre
 def test_exact_head_on_cpu_is_one_fp32_gemm_where_the_split_does_not_run_or_pay(monkeypatch):
     """No CPU GEMM of BF16 matrices writes FP32 (torch 2.13: ``mm`` with ``out_dtype`` has no
     CPU kernel): on a CPU the exact product is one plain FP32 GEMM unless oneDNN honours BF16
-    products and the split is chosen (``SPLIT_ONEDNN``: True, or "auto" where it measures
+    products and the split is chosen (``split_onednn``: True, or "auto" where it measures
     faster); then it is three GEMMs of BF16 values under that mode, the mode restored after."""
     cpu = torch.device("cpu")
-    assert not loss_head._split_native(cpu) and loss_head.SPLIT_ONEDNN == "auto"
+    assert not exact.split_native(cpu) and loss_head.settings().split_onednn == "auto"
     one = torch.ones(2, 2, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, NotImplementedError)):
         torch.mm(one, one, out_dtype=torch.float32)
     before = _precision()
-    monkeypatch.setattr(loss_head, "_SPLIT_MS", {128: (1.0, 3.0)})  # as if the split measured 3x faster
     for asked in (False, "auto", True):
-        monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", asked)
-        kind = loss_head.exact_products(cpu, 128)  # probed before the spy counts
-        with _GemmSpy() as spy:
-            loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
+        with tuned(split_ms={128: (1.0, 3.0)}, split_onednn=asked):  # as if the split measured 3x faster
+            kind = loss_head.exact_products(cpu, 128)  # probed before the spy counts
+            with _GemmSpy() as spy:
+                loss_head.exact_mm(torch.randn(64, 128), torch.randn(128, 96))
         assert _precision() == before
         if kind == "fp32":
-            assert not (asked and loss_head.bf16_products_native(cpu))
+            assert not (asked and bf16_products_native(cpu))
             ((op, a, b, precision),) = spy.gemms
             assert op is torch.ops.aten.mm and a.dtype == b.dtype == torch.float32 and precision == before
         else:
-            assert asked and loss_head.bf16_products_native(cpu) and len(spy.gemms) == 3
+            assert asked and bf16_products_native(cpu) and len(spy.gemms) == 3
             assert all(_bf16_valued(a) and _bf16_valued(b) and p == "bf16" for _, a, b, p in spy.gemms)
 
 
 def test_auto_split_is_chosen_by_timing_one_block_once_per_width(monkeypatch, caplog):
-    """``SPLIT_ONEDNN="auto"`` where oneDNN honours BF16 products: the first call for a head
+    """``split_onednn="auto"`` where oneDNN honours BF16 products: the first call for a head
     width times one block split and as one FP32 GEMM, and splits only where that is
-    ``SPLIT_GAIN`` x faster; one timing per width; no decision without a width or while
+    ``split_gain`` x faster; one timing per width; no decision without a width or while
     compiling; FP32, untimed, where deterministic algorithms are asked for. Timed for real
     on this machine with the probe forced: oneDNN here runs the "BF16" products in FP32, so
     the split is three FP32 GEMMs and a pass against one GEMM and the timing must refuse it."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "_SPLIT_MS", {})
-    monkeypatch.setattr(loss_head, "SPLIT_TIMED_BLOCK", (256, 1024))
-    with caplog.at_level("INFO", logger="amp_compiler"):
-        assert loss_head.exact_products(cpu, 64) == "fp32"
-    split_ms, fp32_ms = loss_head.split_timings()[64]
-    assert split_ms > 1.5 * fp32_ms and "width 64: split" in caplog.text
-    timed = []
+    with tuned(bf16_products=True, split_ms={}, split_timed_block=(256, 1024)):
+        with caplog.at_level("INFO", logger="amp_compiler"):
+            assert loss_head.exact_products(cpu, 64) == "fp32"
+        split_ms, fp32_ms = loss_head.split_timings()[64]
+        assert split_ms > 1.5 * fp32_ms and "width 64: split" in caplog.text
+        timed = []
 
-    def fake(width):
-        timed.append(width)
-        return {128: (1.0, 2.0), 96: (1.0, 1.05)}[width]
+        def fake(width):
+            timed.append(width)
+            return {128: (1.0, 2.0), 96: (1.0, 1.05)}[width]
 
-    monkeypatch.setattr(loss_head, "_time_split", fake)
-    assert [loss_head.exact_products(cpu, w) for w in (128, 128, 96, 96)] == ["split-onednn"] * 2 + ["fp32"] * 2
-    assert timed == [128, 96]
-    assert loss_head.exact_products(cpu) == loss_head.exact_products(cpu, 32, measure=False) == loss_head.UNDECIDED
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert loss_head.exact_products(cpu, 128) == loss_head.exact_products(cpu, 40) == "fp32"
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert loss_head.exact_products(cpu, 48) == loss_head.UNDECIDED and timed == [128, 96]
+        monkeypatch.setattr(exact, "_time_split", fake)  # a spy on the timing, not a setting
+        assert [loss_head.exact_products(cpu, w) for w in (128, 128, 96, 96)] == ["split-onednn"] * 2 + ["fp32"] * 2
+        assert timed == [128, 96]
+        assert loss_head.exact_products(cpu) == loss_head.exact_products(cpu, 32, measure=False) == loss_head.UNDECIDED
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert loss_head.exact_products(cpu, 128) == loss_head.exact_products(cpu, 40) == "fp32"
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert loss_head.exact_products(cpu, 48) == loss_head.UNDECIDED and timed == [128, 96]
 
 
 def test_the_plan_says_how_the_exact_head_multiplies(monkeypatch):
@@ -867,45 +864,42 @@ def test_the_plan_says_how_the_exact_head_multiplies(monkeypatch):
         (row,) = [n.reason for n in backend.nodes if "projection" in n.reason and "exact" in n.reason]
         return row
 
-    assert ": FP32 projection" in how() or loss_head.bf16_products_native(torch.device("cpu"))
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "_SPLIT_MS", {})
-    monkeypatch.setattr(loss_head, "_time_split", lambda width: (1.0, 3.0))
-    assert "times faster split at the first step" in how()
-    assert loss_head.split_timings() == {D: (1.0, 3.0)}  # the step timed it
-    assert "three FP32 GEMMs of BF16 halves" in how()
+    assert ": FP32 projection" in how() or bf16_products_native(torch.device("cpu"))
+    monkeypatch.setattr(exact, "_time_split", lambda width: (1.0, 3.0))  # as if the split timed 3x faster
+    with tuned(bf16_products=True, split_ms={}):
+        assert "times faster split at the first step" in how()
+        assert loss_head.split_timings() == {D: (1.0, 3.0)}  # the step timed it
+        assert "three FP32 GEMMs of BF16 halves" in how()
 
 
 def test_the_probe_of_bf16_products_says_what_the_gemm_does(monkeypatch):
-    """``bf16_products_native`` is True exactly where a GEMM under ``_bf16_products`` rounds
+    """``bf16_products_native`` is True exactly where a GEMM under ``bf16_products`` rounds
     its operands to BF16: checked on matrices other than the probe's, on this machine, and
     probed alike where a compile's fake mode is active."""
-    monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
+    monkeypatch.setattr(device, "_BF16_PRODUCTS", {})  # probed afresh, twice
     with FakeTensorMode():
-        probed_under_fake = loss_head.bf16_products_native(torch.device("cpu"))
-    monkeypatch.setattr(loss_head, "_BF16_PRODUCTS", {})
+        probed_under_fake = bf16_products_native(torch.device("cpu"))
+    monkeypatch.setattr(device, "_BF16_PRODUCTS", {})
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(96, 200, generator=g), torch.randn(200, 80, generator=g)
-    with loss_head._bf16_products():
+    with bf16_products():
         got = torch.mm(a, b).double()
     as_bf16 = a.bfloat16().double() @ b.bfloat16().double()
     as_fp32 = a.double() @ b.double()
     rounded = (got - as_bf16).abs().max() < (got - as_fp32).abs().max()
-    assert rounded == loss_head.bf16_products_native(torch.device("cpu")) == probed_under_fake
+    assert rounded == bf16_products_native(torch.device("cpu")) == probed_under_fake
 
 
-def test_split_with_bf16_products_is_exact_and_reaches_onednn_with_that_mode(monkeypatch, capfd):
+def test_split_with_bf16_products_is_exact_and_reaches_onednn_with_that_mode(capfd):
     """The AMX path on any CPU: three GEMMs (one mm, two addmm into the same output) of
     BF16-valued FP32 halves, to ~16 mantissa bits, each handed to oneDNN with its FP32 math in
     BF16 (oneDNN's own log of what it executed); the setting restored after."""
-    monkeypatch.setattr(loss_head, "bf16_products_native", lambda device: True)
-    monkeypatch.setattr(loss_head, "SPLIT_ONEDNN", True)
-    assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 256, generator=g) * 3, torch.randn(256, 96, generator=g)
     out = torch.empty(64, 96)
     before = _precision()
-    with _GemmSpy() as spy, _onednn_matmuls(capfd) as log:
+    with tuned(bf16_products=True, split_onednn=True), _GemmSpy() as spy, _onednn_matmuls(capfd) as log:
+        assert loss_head.exact_products(torch.device("cpu")) == "split-onednn"
         got = loss_head.exact_mm(a, b, out)
     assert got.data_ptr() == out.data_ptr() and _precision() == before
     assert [op for op, *_ in spy.gemms] == [torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm_]
@@ -1024,7 +1018,7 @@ def test_inductors_partitioner_keeps_the_one_pass_head_in_forward(kept, monkeypa
     if not kept:
         monkeypatch.setattr(keep, "keep_head_stats", lambda graph: 0)
     calls, ahead = [], loss_head.ahead_grads
-    monkeypatch.setattr(loss_head, "ahead_grads", lambda *a, **k: calls.append(1) or ahead(*a, **k))
+    monkeypatch.setattr(loss_head.ops, "ahead_grads", lambda *a, **k: calls.append(1) or ahead(*a, **k))  # a spy
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = torch.compile(Decoder("hf", tied=True), backend=AmpBackend(loss_head="fused"))
@@ -1203,16 +1197,15 @@ def test_training_curve_is_the_unfused_heads():
     assert all(abs(a - b) <= 1e-3 * b for a, b in zip(fused, off)), max(abs(a - b) / b for a, b in zip(fused, off))
 
 
-def test_blocks_of_tokens_and_vocabulary_in_a_compiled_step(monkeypatch):
+def test_blocks_of_tokens_and_vocabulary_in_a_compiled_step():
     """The same head through the backend over 3 x 4 blocks (24 tokens x 2048 entries): the
     loss is that of one block, the gradients too up to BF16 rounding of the partial GEMMs."""
     torch.manual_seed(0)
     model = Decoder("hf")
     blocked = copy.deepcopy(model)
     _, _, (one,), _ = _run(model, "fused")
-    monkeypatch.setattr(loss_head, "MAX_ROWS", 24)
-    monkeypatch.setattr(loss_head, "BLOCK_ELEMENTS", 24 * 2048)
-    done, _, (many,), _ = _run(blocked, "fused")
+    with tuned(max_rows=24, block_elements=24 * 2048):
+        done, _, (many,), _ = _run(blocked, "fused")
     assert done.fused[0]["block"] == (24, 2048)
     assert many.item() == pytest.approx(one.item(), rel=1e-5)
     for p, q in zip(model.parameters(), blocked.parameters()):

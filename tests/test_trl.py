@@ -273,9 +273,9 @@ def test_sft_head_runs_as_amps_fused_head_with_entropy_and_top1(tmp_path):
     vocabulary) amp's blocked head op executed on BF16 hidden states, the logits' statistics
     op never ran (no [tokens, vocabulary] logits), and SFT's logged entropy and token accuracy
     are those of the head left as written."""
-    from amp_compiler.loss_head import MIN_VOCAB
+    from amp_compiler.loss_head import settings
 
-    vocab = MIN_VOCAB
+    vocab = settings().min_vocab
     g = torch.Generator().manual_seed(0)
     ds = datasets.Dataset.from_dict(
         {"text": [" ".join(f"w{int(i)}" for i in torch.randint(0, 125, (12,), generator=g))] * 8}

@@ -14,19 +14,19 @@ import time
 
 import torch
 
-from amp_compiler import loss_head as L
+from amp_compiler.loss_head import kernels
 
 
 def eager_forward(z, top, sum_exp, at):
     z = z.float()
     new_top = torch.maximum(top, z.amax(1))
     picked = z.gather(1, at.clamp(0)[:, None]).squeeze(1)
-    sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).clamp_min_(L.P_FLOOR).exp_().sum(1))
+    sum_exp.mul_((top - new_top).exp_()).add_(z.sub_(new_top[:, None]).clamp_min_(kernels.P_FLOOR).exp_().sum(1))
     return new_top, sum_exp, picked
 
 
 def eager_backward(z, lse, g, at):
-    dz = z.float().sub_(lse[:, None]).clamp_min_(L.P_FLOOR).exp_().mul_(g[:, None])
+    dz = z.float().sub_(lse[:, None]).clamp_min_(kernels.P_FLOOR).exp_().mul_(g[:, None])
     dz.scatter_add_(1, at.clamp(0)[:, None], g[:, None])
     return dz.to(z.dtype)
 
@@ -39,10 +39,10 @@ def measure(size: int, std: float, reps: int) -> dict[str, float]:
     top, zeros = torch.full((size,), float("-inf")), torch.zeros(size)
     at = torch.randint(-1, size, (size,), generator=g)
     lse, grad = torch.logsumexp(z32, 1), torch.rand(size, generator=g)
-    fold, dlogits = L._kernel(L._stats_block), L._kernel(L._grad_block)
+    fold, dlogits = kernels.kernel(kernels.stats_block), kernels.kernel(kernels.grad_block)
     cases = {
         "forward, ATen calls": lambda: eager_forward(z, top, zeros.clone(), at),
-        "forward, generated": lambda: fold(z, L._start(size, z), at, (), False, (False, False, False)),
+        "forward, generated": lambda: fold(z, kernels.start_stats(size, z), at, (), False, (False, False, False)),
         "backward, ATen calls": lambda: eager_backward(z, lse, grad, at),
         "backward, generated": lambda: dlogits(z, lse, grad, zeros, grad, at, (), torch.bfloat16),
     }

@@ -18,7 +18,7 @@ as amp chooses (``auto``, the default: the plan's choice is printed), ``fused``,
 (``off``) and ``exact``. Where oneDNN runs FP32 GEMMs' products in BF16 (AMX;
 ``machine.bf16_products`` in the JSON) ``exact`` splits its GEMMs into BF16 products where one
 block times faster so (``machine.split_timings``); ``exact-split`` and ``exact-fp32`` (not in
-the default list) always and never do (``loss_head.SPLIT_ONEDNN``); elsewhere they are left
+the default list) always and never do (``split_onednn``, ``loss_head.tuned``); elsewhere they are left
 out, saying why, unless ``--split-twin`` runs the split there anyway: its GEMMs then compute in
 FP32, so it measures the split's structure (three GEMMs and a pass per block against one
 GEMM), never AMX's speed.
@@ -47,18 +47,8 @@ from amp_compiler.atomic import write_text
 
 VARIANTS = ("autocast-inductor", "auto", "fused", "off", "exact")
 # only by --variants: the exact head with its GEMMs always split into BF16 products through
-# oneDNN, or never (``loss_head.SPLIT_ONEDNN``); ``exact`` lets its timing choose
+# oneDNN, or never (``split_onednn``, ``loss_head.tuned``); ``exact`` lets its timing choose
 NAMED = {"exact-split": True, "exact-fp32": False}
-
-
-@contextlib.contextmanager
-def _split_onednn(mode):
-    before = loss_head.SPLIT_ONEDNN
-    loss_head.SPLIT_ONEDNN = mode
-    try:
-        yield
-    finally:
-        loss_head.SPLIT_ONEDNN = before
 
 
 class Decoder(nn.Module):
@@ -95,7 +85,7 @@ def make_step(kind: str, model: nn.Module, ids, labels, device: str):
         def loss():
             return _loss(compiled(ids, labels))
 
-    scope = functools.partial(_split_onednn, NAMED[kind]) if kind in NAMED else contextlib.nullcontext
+    scope = functools.partial(loss_head.tuned, split_onednn=NAMED[kind]) if kind in NAMED else contextlib.nullcontext
 
     def step():
         with scope():
@@ -148,16 +138,11 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    native = loss_head.bf16_products_native(torch.device(device))
+    native = loss_head.takes_bf16_products(torch.device(device))
     if args.split_twin and (device != "cpu" or native):
         raise SystemExit("--split-twin: only on a CPU whose oneDNN runs no BF16 products; here the split is real")
-    probe = loss_head.bf16_products_native
-    if args.split_twin:
-        loss_head.bf16_products_native = lambda device: True
-    try:
+    with loss_head.tuned(**({"bf16_products": True} if args.split_twin else {})):
         return _main(args, device, native)
-    finally:
-        loss_head.bf16_products_native = probe
 
 
 def _main(args, device: str, native: bool) -> int:
@@ -165,12 +150,16 @@ def _main(args, device: str, native: bool) -> int:
     if args.ahead_rows is not None:
         if args.ahead_rows < 1:
             raise SystemExit("--ahead-rows: a positive number of tokens")
-        loss_head.AHEAD_BYTES = 0  # the rows are the floor alone
-        loss_head.AHEAD_MIN_ROWS = loss_head.AHEAD_MIN_ROWS_AMX = args.ahead_rows
+    rows = {} if args.ahead_rows is None else {"ahead_min_rows": args.ahead_rows, "ahead_min_rows_amx": args.ahead_rows}
+    with loss_head.tuned(**rows, **({"ahead_bytes": 0} if rows else {})):  # the rows are the floor alone
+        return _variants(args, device, native)
+
+
+def _variants(args, device: str, native: bool) -> int:
     kinds = [k for k in args.variants.split(",") if k]
     if bad := [k for k in kinds if k not in (*VARIANTS, *NAMED)]:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join((*VARIANTS, *NAMED))}")
-    if not loss_head.bf16_products_native(torch.device(device)):
+    if not loss_head.takes_bf16_products(torch.device(device)):
         for k in [k for k in kinds if k in NAMED]:
             print(f"{k} left out: oneDNN runs no FP32 GEMM's products in BF16 here (it does with AMX)")
             kinds.remove(k)

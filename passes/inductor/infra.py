@@ -10,7 +10,7 @@ from amp_compiler.upstream.torch_private import private
 # Modules defining ops amp's graphs call: Inductor writes a custom op's arguments, defaults
 # included, into the code it caches, and keys the cache by the graph alone (an op whose
 # schema changed was called from the disk cache with its old defaults, and refused them)
-OP_MODULES = ("amp_compiler.loss_head",)
+OP_MODULES = ("amp_compiler.loss_head.ops",)
 
 
 class InductorPass(private("torch._inductor.custom_graph_pass.CustomGraphPass")):

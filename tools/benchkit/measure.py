@@ -336,7 +336,7 @@ def machine(device: str, dtype: str, reason: str) -> dict:
         "command": " ".join(["python"] + sys.argv),
         "cpu_memory": _allocator(),
         "exact_products": loss_head.exact_products(torch.device(device), measure=False),
-        "bf16_products": loss_head.bf16_products_native(torch.device(device)),
+        "bf16_products": loss_head.takes_bf16_products(torch.device(device)),
         # per head width the exact head ran at: one block's GEMM split and FP32, in ms
         "split_timings": {str(w): list(ms) for w, ms in loss_head.split_timings().items()},
     }
