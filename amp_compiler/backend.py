@@ -197,18 +197,7 @@ class AmpBackend:
                     f"torch.autocast({device.type}, {around}) around the call; amp's plan not applied ({why})",
                 )
                 plan.applied = False
-                return self._record(
-                    CompileRecord(
-                        self.compiled,
-                        around,
-                        plan.dtype_reason,
-                        gm,
-                        plan,
-                        [],
-                        opts,
-                        self.coverage.took(gm, example_inputs),
-                    )
-                )
+                return self._record(gm, example_inputs, opts, gm, plan)
 
     def _rewrite_as(self, gm, example_inputs, opts, device, around) -> CompileRecord:
         if self.decided is not None and self.decided[0] == opts.dtype:
@@ -242,11 +231,7 @@ class AmpBackend:
             check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
-        return self._record(
-            CompileRecord(
-                self.compiled, dtype, reason, aten_gm, plan, passes, opts, self.coverage.took(gm, example_inputs)
-            )
-        )
+        return self._record(gm, example_inputs, opts, aten_gm, plan, passes)
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> CompileRecord:
         """FP32: Dynamo's graph goes on unchanged; the BF16 plan is recorded for inspection."""
@@ -258,9 +243,7 @@ class AmpBackend:
             passes = []
             plan = GraphPlan(index, "fp32", f"{reason}; no BF16 plan ({type(e).__name__}: {e})")
         plan.applied = False
-        return self._record(
-            CompileRecord(index, "fp32", reason, gm, plan, passes, opts, self.coverage.took(gm, example_inputs))
-        )
+        return self._record(gm, example_inputs, opts, gm, plan, passes, reason=reason)
 
     def _record_backward(self, gm, example_inputs, opts) -> CompileRecord:
         """Compiled autograd's backward graph goes on as written: its dtypes are what the
@@ -273,11 +256,15 @@ class AmpBackend:
             dtype = resolve_dtype(opts.dtype, device_of(example_inputs), loss_scaling=False)[0]
         plan = GraphPlan(self.compiled, dtype, reason)
         plan.applied = False
-        return self._record(
-            CompileRecord(self.compiled, dtype, reason, gm, plan, [], opts, self.coverage.took(gm, example_inputs))
-        )
+        return self._record(gm, example_inputs, opts, gm, plan)
 
-    def _record(self, record: CompileRecord) -> CompileRecord:
+    def _record(self, gm, example_inputs, opts, graph, plan: GraphPlan, passes=(), reason=None) -> CompileRecord:
+        """Record Dynamo's ``gm`` compiled as ``graph`` under ``plan`` (the parameters it took
+        counted once, here); ``reason``: the dtype's, where the plan states another."""
+        parameters = self.coverage.took(gm, example_inputs)
+        record = CompileRecord(
+            self.compiled, plan.dtype, reason or plan.dtype_reason, graph, plan, list(passes), opts, parameters
+        )
         self.compiled += 1
         self.records.append(record)
         del self.records[: -self.max_records]
