@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
 import torch.distributed as dist
 
 from .device import memory_bytes
@@ -115,40 +116,57 @@ def check_same_plan(plan: PrecisionPlan, group=None) -> str:
 
 
 class CommStats:
-    """Bytes a DDP comm hook put on the wire (gradient buckets, this rank's share sent)."""
+    """What a DDP comm hook handed the all-reduce (gradient buckets, this rank's share sent):
+    bytes and dtypes of the tensors themselves, not of a width the hook was asked for."""
 
     def __init__(self, dtype: str):
         self.dtype, self.bytes, self.calls = dtype, 0, 0
+        self.sent_dtypes: set[torch.dtype] = set()
 
     def __repr__(self) -> str:
         return f"CommStats(dtype={self.dtype!r}, bytes={self.bytes}, calls={self.calls})"
+
+    def sent(self, tensor: torch.Tensor) -> None:
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += 1
+        self.sent_dtypes.add(tensor.dtype)
+
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def install_comm_hook(ddp_model, dtype: str) -> CommStats:
     """All-reduce a DDP model's gradients in ``dtype`` ("bf16", "fp16" or "fp32").
 
-    The 16-bit hooks are PyTorch's own compress hooks: each bucket is cast down, averaged
-    across ranks, and cast back, so the optimizer still updates the FP32 master weights
-    with FP32 gradients; half the bytes cross the network.
+    As PyTorch's compress hooks do: each bucket is cast down and averaged across ranks, then
+    cast back into the bucket, so the optimizer still updates the FP32 master weights with
+    FP32 gradients; half the bytes cross the network. ``CommStats`` counts the tensors handed
+    to the all-reduce. Inside a compiled backward (compiled autograd) PyTorch's own hook runs,
+    uncounted.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"ddp_comm_dtype needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    hooks = {
+    if dtype not in COMM_DTYPES:
+        raise ValueError(f"ddp_comm_dtype={dtype!r}: use one of {sorted(COMM_DTYPES)}")
+    stats, wire = CommStats(dtype), COMM_DTYPES[dtype]
+    traced = {
         "bf16": default_hooks.bf16_compress_hook,
         "fp16": default_hooks.fp16_compress_hook,
         "fp32": default_hooks.allreduce_hook,
-    }
-    if dtype not in hooks:
-        raise ValueError(f"ddp_comm_dtype={dtype!r}: use one of {sorted(hooks)}")
-    stats, inner, width = CommStats(dtype), hooks[dtype], 4 if dtype == "fp32" else 2
+    }[dtype]
 
-    def hook(state, bucket):
-        stats.bytes += bucket.buffer().numel() * width
-        stats.calls += 1
-        return inner(state, bucket)
+    def hook(process_group, bucket):
+        if torch.compiler.is_compiling():
+            return traced(process_group, bucket)
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        sent = buffer.to(wire).div_(group.size())  # a copy unless FP32: the bucket itself
+        stats.sent(sent)
+        future = dist.all_reduce(sent, group=group, async_op=True).get_future()
+        return future.then(lambda done: buffer.copy_(done.value()[0]))
 
     ddp_model.register_comm_hook(None, hook)
     return stats

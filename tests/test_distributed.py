@@ -135,7 +135,7 @@ def _ddp_worker(rank, port, results):
             buckets = [dtype for dtype, n in sent if n == numel]  # one bucket holds every gradient
             out[comm] = (
                 losses,
-                (step.comm.bytes, buckets),
+                (step.comm.bytes, buckets, step.comm.sent_dtypes),
                 [p.detach().clone() for p in model.parameters()],
                 all(p.dtype == torch.float32 for p in model.parameters()) and bool(low),
             )
@@ -150,11 +150,12 @@ def test_ddp_gradients_all_reduced_in_bf16_half_the_bytes_same_loss_curve():
     results = mp.Manager().dict()
     mp.spawn(_ddp_worker, args=(_free_port(), results), nprocs=2, join=True)
     for rank in (0, 1):
-        (l32, (b32, wire32), _, fp32_master), (l16, (b16, wire16), _, fp32_master16) = (
+        (l32, (b32, wire32, said32), _, fp32_master), (l16, (b16, wire16, said16), _, fp32_master16) = (
             results[rank]["fp32"],
             results[rank]["bf16"],
         )
-        assert b16 * 2 == b32 > 0
+        # the hook's count of the tensors it handed the all-reduce, and gloo's own record
+        assert b16 * 2 == b32 > 0 and said32 == {torch.float32} and said16 == {torch.bfloat16}
         # what crossed: one gradient bucket per step, FP32 as asked, then BF16 as asked
         assert wire32 == [torch.float32] * 5 and wire16 == [torch.bfloat16] * 5, (wire32, wire16)
         assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
