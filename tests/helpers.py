@@ -24,6 +24,7 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[object, list[torch.dtype]]] = []
+        self.casts: list[tuple[torch.dtype, torch.dtype]] = []  # (from, to) of each dtype cast run
 
     # higher-order ops (the RNG-state wrappers AOTAutograd puts around random ops under
     # activation checkpointing) run through as they are, their own ops unrecorded
@@ -37,6 +38,8 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def record(self, op, args, kwargs) -> None:
+        if op is torch.ops.aten._to_copy and kwargs.get("dtype") not in (None, args[0].dtype):
+            self.casts.append((args[0].dtype, kwargs["dtype"]))
         self.calls.append(
             (
                 op,

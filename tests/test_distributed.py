@@ -253,6 +253,7 @@ def _fsdp_mp_worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
+        from helpers import OpRecorder, recording_backend
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
@@ -300,12 +301,14 @@ def _fsdp_mp_worker(rank, port, results):
                 torch.optim.AdamW(model.parameters(), lr=1e-2),
                 torch.nn.functional.mse_loss,
                 dtype="bf16",
-                compile_options={"inner": "aot_eager"},
+                compile_options={"inner": recording_backend(rec := OpRecorder())},
             )
             x, y = _fsdp_batches()[0]
             losses = [step(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]).loss.item() for _ in range(3)]
-            linears = [n for n in step.backend.plan().nodes if n.op.startswith("aten.linear")]
-            out[name] = (gathered[0], losses, [(n.precision, n.casts) for n in linears], sorted(set(reduced), key=str))
+            # what ran: each step's casts down to BF16 and its GEMMs' operand dtypes
+            casts = sum(to == torch.bfloat16 for _, to in rec.casts) // 3
+            gemms = {tuple(d[-2:]) for d in rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm)}
+            out[name] = (gathered[0], losses, (casts, gemms), sorted(set(reduced), key=str))
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -324,8 +327,11 @@ def test_fsdp2_mixed_precision_policy_owns_the_weight_cast_and_halves_the_all_ga
     assert results[1]["bf16-reduce"][3] == [torch.bfloat16] and results[1]["bf16"][3] == [torch.float32]
     default = torch.bfloat16 if torch_minor() < (2, 15) else torch.float32  # param_dtype, then the grads' own
     assert results[0]["bf16-default"][3] == results[1]["bf16-default"][3] == [default]
-    assert all(p == "LOW" and len(c) == 3 for p, c in lin32)  # activation, weight, bias cast by amp
-    assert all(p == "LOW" and len(c) == 1 and "args_0" in c[0] for p, c in lin16)  # activation only
+    # both run their GEMMs in BF16; amp casts activation, weight and bias of each of the two
+    # Linears where parameters arrive FP32, the activations alone where FSDP gathered BF16
+    (casts32, gemms32), (casts16, gemms16) = lin32, lin16
+    assert gemms32 == gemms16 == {(torch.bfloat16, torch.bfloat16)}
+    assert casts16 < casts32, (casts16, casts32)
     assert all(abs(a - b) <= 0.01 * abs(a) for a, b in zip(l32, l16)), (l32, l16)
 
 

@@ -229,8 +229,9 @@ def _trainer_worker(rank, port, out_dir, results):
         import amp_compiler.distributed
 
         amp_compiler.distributed.memory_bytes = lambda device: 1 << (20 if rank == 0 else 40)
-        # aot_eager: the ranks' plans are the subject; Inductor's code is tested elsewhere
-        cb = AmpCallback(config={"bf16": {"enabled": True}}, inner="aot_eager")
+        # aot_eager under a recorder: what each rank executed; Inductor's code is tested elsewhere
+        rec = OpRecorder()
+        cb = AmpCallback(config={"bf16": {"enabled": True}}, inner=recording_backend(rec))
         model = gpt2()
         trainer = transformers.Trainer(
             model=model, args=args(out_dir, max_steps=4, learning_rate=5e-3), train_dataset=Ids(), callbacks=[cb]
@@ -239,7 +240,7 @@ def _trainer_worker(rank, port, out_dir, results):
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         results[rank] = (
             losses,
-            cb.plan().summary()["nodes"]["LOW"],
+            rec.dtypes_of(aten.mm, aten.addmm, aten.bmm),
             [p.detach().clone() for p in model.parameters()][:3],
             all(p.dtype == torch.float32 for p in model.parameters()),
             cb.backend.options.memory_bytes,
@@ -264,8 +265,10 @@ def test_trainer_with_two_processes_trains_one_plan(tmp_path):
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_trainer_worker, args=(port, tmp_path, results), nprocs=2, join=True)
-    (l0, low0, p0, fp32, mem0), (_, _, p1, _, mem1) = results[0], results[1]
-    assert low0 > 0 and fp32 and l0[-1] < l0[0]
+    (l0, gemms0, p0, fp32, mem0), (_, gemms1, p1, _, mem1) = results[0], results[1]
+    for gemms in (gemms0, gemms1):  # every rank's GEMMs ran in BF16, forward and backward
+        assert gemms and all(d[-2:] == [torch.bfloat16] * 2 for d in gemms), gemms
+    assert fp32 and l0[-1] < l0[0]
     assert mem0 == mem1 == 1 << 20  # one choice of loss head on every rank
     for a, b in zip(p0, p1):
         assert torch.equal(a, b)

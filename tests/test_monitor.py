@@ -88,3 +88,26 @@ def test_monitor_bf16_alerts_only():
         monitor.observe(i % 2 == 0, dtype="bf16")
     (e,) = monitor.alerts
     assert e.scale_before is None and e.scale_after is None and "alerting only" in e.message
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_threshold_is_one_step_in_a_thousand_by_default(dtype):
+    """The README's promise, at its edge, with the defaults (checked every 100 steps over the
+    last 1000): one unexplained Inf/NaN step in 1000 (0.1%) is quiet, a second trips the
+    next check; under FP16 the alert lowers the scale by 1/8 beyond the scaler's backoff."""
+    scaled = dtype == "fp16"
+    scaler = LossScaler("cpu", init_scale=1024.0) if scaled else None
+    if scaled:
+        scaler.scale(torch.ones(()))  # its scale exists from the first scaled loss on
+    monitor = NonFiniteMonitor()
+    bad = {600, 1450}  # finite steps first: neither is the opening back-off
+    events = []
+    for i in range(1, 1601):
+        scale = 1024.0 if scaled else None
+        event = monitor.observe(i in bad, scale_before=scale, scale_after=scale, scaler=scaler, dtype=dtype)
+        if event is not None:
+            events.append(event)
+    assert [e.step for e in events] == [1500]  # both in the window 501-1500 only: 0.2%
+    assert events[0].ratio == pytest.approx(0.002)
+    if scaled:
+        assert events[0].scale_after == events[0].scale_before / 8 == 128.0
