@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -84,6 +85,28 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _one_time_warnings_afresh():
+    """What amp warns once a process is warned afresh in each test: a test asserting a warning
+    must not depend on whether an earlier test in its worker already drew it."""
+    from amp_compiler import device, policy_file
+    from amp_compiler.loss_head import ops
+
+    device._warned.clear()
+    policy_file._warned.clear()
+    ops._warn_recomputed.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate():
+    """Accelerate keeps one process-wide state that refuses another mixed precision once set
+    (a Trainer sets it): each test starts without it, whatever ran before in its worker."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture

@@ -105,23 +105,26 @@ LOSSES = {
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_compiled_loss_trains_as_the_loss_run_as_written(loss, dtype):
     """Property: compiling a loss into the graph changes where it runs, not what it computes."""
-    runs = {}
+    runs, ran = {}, {}
     for compile_loss in (True, False):
         torch.manual_seed(0)
-        model = ShiftLM()
+        model, rec = ShiftLM(), OpRecorder()
         step = make_train_step(
             model,
             torch.optim.AdamW(model.parameters(), lr=1e-2),
             LOSSES[loss],
             dtype=dtype,
             compile_loss=compile_loss,
-            compile_options=INNER,
+            compile_options={"inner": recording_backend(rec)},
         )
         ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
         losses = [step(ids, torch.roll(ids, -1, 1)).loss.item() for _ in range(3)]
         runs[compile_loss] = losses, [p.detach().clone() for p in model.parameters()]
+        ran[compile_loss] = {op for op, _ in rec.calls}
         plan = step.backend.plan()
         assert not any(g.unknown_ops for g in plan.graphs), [g.unknown_ops for g in plan.graphs]
+    # the loss's own ops executed inside the compiled graph, and only where it was compiled
+    assert ran[True] > ran[False], ran[True] - ran[False]
     (joint, pj), (plain, pp) = runs[True], runs[False]
     assert all(math.isfinite(v) for v in joint)
     assert joint == pytest.approx(plain, rel=2e-3, abs=1e-4)
@@ -184,9 +187,11 @@ def test_every_training_step_in_a_process_keeps_its_loss_compiled():
     recompile limit at the ninth step and run the loss as written from then on."""
     ids = torch.randint(0, 64, (2, 8))
     for _ in range(torch._dynamo.config.recompile_limit + 1):
-        model = ShiftLM()
+        model, rec = ShiftLM(), OpRecorder()
         step = make_train_step(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16", compile_options=INNER
-        )
+            model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, dtype="bf16",
+            compile_options={"inner": recording_backend(rec)},
+        )  # fmt: skip
         step(ids, ids)
-    assert any(n.reason.startswith("loss") for n in step.backend.plan().nodes)
+    loss_ops = rec.dtypes_of(*LOSS_OPS)  # the last step's loss ran in its compiled graph, in FP32
+    assert loss_ops and all(set(d) == {torch.float32} for d in loss_ops)

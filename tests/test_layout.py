@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -91,3 +92,19 @@ def test_torch_range_is_declared_tested_and_stated_once():
     for major, minor in (low, high):
         assert f"| {major}.{minor}." in readme, f"README's tested-range table has no torch {major}.{minor} row"
     assert f"torch>={floor}" in readme
+
+
+def test_every_mutant_still_finds_the_code_it_breaks(monkeypatch):
+    """tools/mutants.py breaks each README promise by editing the code; a mutant whose text
+    has moved would break nothing (and report a survivor for the wrong reason)."""
+    spec = importlib.util.spec_from_file_location("mutants_tool", ROOT / "tools" / "mutants.py")
+    mutants = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mutants)  # its dataclasses look their module up
+    spec.loader.exec_module(mutants)
+    assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS) >= 10
+    for m in mutants.MUTANTS:
+        text = (ROOT / m.path).read_text()
+        for find, _ in m.edits():
+            assert text.count(find) == 1, (m.name, find)
+        for test in m.tests:
+            assert (ROOT / test).is_file(), (m.name, test)

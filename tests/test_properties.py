@@ -84,19 +84,44 @@ def test_property_every_node_sees_its_dtype(program, dtype):
     assert len(sources) == len(set(sources)), "a value was cast twice to one dtype"
 
 
+def _worst_error(program, args, backend) -> float | None:
+    """The largest error of the rewritten program's outputs against FP32's, over each output's
+    largest magnitude plus 1e-3; None where FP32's own outputs are not finite or huge."""
+    fn = build(program)
+    expected = fn(*args)
+    got = backend.rewrite(torch.fx.symbolic_trace(fn), args).graph(*args)
+    worst = 0.0
+    for e, g in zip(expected, got):
+        assert g.dtype == e.dtype
+        if not (torch.isfinite(e).all() and e.abs().max() < 1e4):
+            return None
+        worst = max(worst, (g - e).abs().max().item() / (e.abs().max().item() + 1e-3))
+    return worst
+
+
+# Measured over 300 random programs: the plan's worst error 0.82% of the output's largest
+# magnitude (a chain of five matmuls); FP32 gives 0. A plan with LayerNorm in BF16 errs by
+# ~100% on an input far from zero (the control below)
+BOUND = 0.03
+
+
 @common
 @given(programs)
 def test_property_numbers_track_fp32(program):
     """The rewritten program computes what the FP32 program computes, to BF16 accuracy."""
-    fn = build(program)
+    worst = _worst_error(program, inputs(), AmpBackend(inner="eager"))
+    assert worst is None or worst <= BOUND, (program, worst)
+
+
+def test_the_bound_rejects_a_plan_without_its_fp32_islands():
+    """The negative control: LayerNorm of values near 300 (BF16 rounds them 2 apart, as far
+    as they vary) is exact under the plan, and wrong by far more than the bound in BF16."""
+    program = [("layer_norm", 0)]
     args = inputs()
-    expected = fn(*args)
-    got = AmpBackend(inner="eager").rewrite(torch.fx.symbolic_trace(fn), args).graph(*args)
-    for e, g in zip(expected, got):
-        assert g.dtype == e.dtype
-        if torch.isfinite(e).all() and e.abs().max() < 1e4:
-            err = (g - e).abs().max().item()
-            assert err <= 0.1 * e.abs().max().item() + 0.05, (program, err)
+    args[0] = args[0] + 300
+    assert _worst_error(program, args, AmpBackend(inner="eager")) < 1e-3
+    broken = AmpBackend(inner="eager", low_ops=["layer_norm", "native_layer_norm"])
+    assert _worst_error(program, args, broken) > 10 * BOUND
 
 
 @common

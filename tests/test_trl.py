@@ -117,7 +117,8 @@ def test_dpo_reference_is_checkpointed_as_the_policy_is(tmp_path):
 
 def _dpo_step_zero(tmp_path, policy, precompute):
     reference = copy.deepcopy(policy)
-    callback = AmpCallback(max_uncompiled_share=0.0)
+    rec = OpRecorder()
+    callback = AmpCallback(max_uncompiled_share=0.0, inner=recording_backend(rec))
     config = DPOConfig(**common(tmp_path), precompute_ref_log_probs=precompute)
     g = torch.Generator().manual_seed(1)
     trainer = DPOTrainer(
@@ -126,6 +127,10 @@ def _dpo_step_zero(tmp_path, policy, precompute):
     )  # fmt: skip
     trainer.train()
     first = trainer.state.log_history[0]
+    # margins of 0 alone FP32 would give too: the GEMMs both forwards executed were BF16 (the
+    # zero then says the reference ran the policy's plan: in another precision, 1e-4)
+    gemms = rec.dtypes_of(torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+    assert gemms and all(d[-2:] == [torch.bfloat16] * 2 for d in gemms)
     assert abs(first["rewards/margins"]) <= 1e-6, first
     assert first["rewards/accuracies"] == 0.0
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
