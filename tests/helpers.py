@@ -426,3 +426,32 @@ def two_ranks(fn, *args) -> list:
     results = mp.Manager().dict()
     mp.spawn(_as_torchrun, args=(free_port(), fn, args, results), nprocs=2, join=True)
     return [results[0], results[1]]
+
+
+# -- what Inductor's code ran: the profiler's record (a dispatch mode sees nothing inside it)
+
+GEMMS = {"aten::mm": slice(0, 2), "aten::bmm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::baddbmm": slice(1, 3)}
+
+
+def gemm_operands(prof) -> list[list[str]]:
+    """The operand dtypes of every GEMM the compiled code handed the BLAS, by the profiler
+    (Inductor's code calls the BLAS for them: what executed, not what the plan says)."""
+    name = {"bfloat16": "bf16", "float": "fp32", "half": "fp16"}  # c10::BFloat16, float, ...
+    return [
+        [name[d.split("::")[-1].lower()] for d in e.input_dtypes[GEMMS[e.name]]]
+        for e in prof.events()
+        if e.name in GEMMS
+    ]
+
+
+def profiled_gemms(run):
+    """(``run()``, the operand dtypes of the GEMMs it ran: ``gemm_operands``)."""
+    import pytest
+
+    from amp_compiler.upstream import torch_minor
+
+    if torch_minor() < (2, 13):
+        pytest.skip("torch < 2.13's profiler records no operand dtypes")
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out = run()
+    return out, gemm_operands(prof)

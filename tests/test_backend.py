@@ -18,6 +18,7 @@ from helpers import (
     TinyLM,
     assert_executed_dtypes,
     check_against_fp32,
+    profiled_gemms,
     recording_backend,
 )
 
@@ -135,10 +136,13 @@ def test_e2e_inductor_inner_compiles_and_matches(no_caches):
 
     model, x = MLP(), torch.randn(8, 16)
     backend = AmpBackend()
-    out, code = run_and_get_code(torch.compile(model, backend=backend), x)
+    compiled = torch.compile(model, backend=backend)
+    out, code = run_and_get_code(compiled, x)
     assert backend.options.inner == "inductor" and backend.records[0].plan.applied
     assert "bfloat16" in "\n".join(code)
     assert out.dtype == torch.float32
+    _, gemms = profiled_gemms(lambda: compiled(x))  # what the generated code ran
+    assert gemms == [["bf16", "bf16"]] * 2, gemms
     torch.testing.assert_close(out, model(x), atol=0.05, rtol=0.05)
 
 

@@ -10,10 +10,9 @@ import copy
 
 import pytest
 import torch
-from helpers import LOW_EXEC, OpRecorder, cosine, grads, recording_backend, tiny_gpt2, tiny_llama
+from helpers import LOW_EXEC, OpRecorder, cosine, grads, profiled_gemms, recording_backend, tiny_gpt2, tiny_llama
 
 from amp_compiler import AmpBackend
-from amp_compiler.upstream import torch_minor
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
@@ -197,27 +196,6 @@ def test_hf_resnet_grads_no_worse_than_autocast():
 
 # -- the product as users run it: Inductor generating the code, by the backend and by the step
 
-GEMMS = {"aten::mm": slice(0, 2), "aten::bmm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::baddbmm": slice(1, 3)}
-
-
-def _gemm_operands(prof) -> list[list[str]]:
-    """The operand dtypes of every GEMM the compiled code handed the BLAS, by the profiler
-    (Inductor's code calls the BLAS for them: what executed, not what the plan says)."""
-    name = {"bfloat16": "bf16", "float": "fp32", "half": "fp16"}  # c10::BFloat16, float, ...
-    return [
-        [name[d.split("::")[-1].lower()] for d in e.input_dtypes[GEMMS[e.name]]]
-        for e in prof.events()
-        if e.name in GEMMS
-    ]
-
-
-def _profiled(run):
-    if torch_minor() < (2, 13):
-        pytest.skip("torch < 2.13's profiler records no operand dtypes")
-    with torch.profiler.profile(record_shapes=True) as prof:
-        out = run()
-    return out, _gemm_operands(prof)
-
 
 def _gpt2():
     model = tiny_gpt2(seed=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
@@ -245,10 +223,10 @@ def test_a_hugging_face_decoder_runs_its_gemms_in_bf16_under_inductor():
         loss.backward()
         return loss
 
-    loss, gemms = _profiled(lambda: forward_backward(compiled))
+    loss, gemms = profiled_gemms(lambda: forward_backward(compiled))
     assert len(gemms) >= 2 * 3 * 2  # 2 layers' attention and MLP GEMMs, forward and backward
     assert all(d == ["bf16"] * 2 for d in gemms), gemms
-    ref_loss, ref_gemms = _profiled(lambda: forward_backward(ref))
+    ref_loss, ref_gemms = profiled_gemms(lambda: forward_backward(ref))
     assert ref_gemms and all(d == ["fp32"] * 2 for d in ref_gemms)  # the control: eager FP32
     # measured on this 4.6-nat loss: 3e-5 nats from FP32's, gradient cosine 0.99999
     assert abs(loss.item() - ref_loss.item()) < 1e-3
@@ -258,7 +236,7 @@ def test_a_hugging_face_decoder_runs_its_gemms_in_bf16_under_inductor():
     step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), lambda out: out.loss, dtype="bf16")
     batch = {"input_ids": ids, "labels": ids}
     first = step(batch).loss.item()  # compiles
-    results, gemms = _profiled(lambda: [step(batch) for _ in range(3)])
+    results, gemms = profiled_gemms(lambda: [step(batch) for _ in range(3)])
     assert gemms and all(d == ["bf16"] * 2 for d in gemms), gemms
     assert results[-1].loss.item() < first and not any(r.skipped for r in results)
     assert all(p.dtype == torch.float32 for p in model.parameters())
