@@ -166,8 +166,9 @@ class TrainingSetup:
             if name in PER_RANK_OPTIONS or name == "dtype":
                 continue
             value = getattr(self.options, name)
-            if callable(value):  # an inner backend object: each rank holds its own
-                value = f"{type(value).__module__}.{type(value).__qualname__}"
+            if callable(value):  # an inner backend: each rank holds its own object; say what it is
+                named = value if hasattr(value, "__qualname__") else type(value)
+                value = f"{named.__module__}.{named.__qualname__}"
             out[name] = repr(value)
         if self.options.policy_source is not None:
             out["policy file fingerprints"] = repr(self.options.policy_source.fingerprints)

@@ -394,3 +394,27 @@ def test_fused_loss_head_under_ddp_and_fsdp2(wrap):
         assert ("DTensor" in kinds) == (wrap == "fsdp2")
     for p, q in zip(results[0][2], results[1][2]):
         assert torch.equal(p, q)
+
+
+def _inner_a(gm, example_inputs):
+    return gm
+
+
+def _inner_b(gm, example_inputs):
+    return gm
+
+
+def test_the_settings_ranks_compare_say_what_runs():
+    """What every rank compares: the inner compiler by what it is (two functions differ; each
+    rank's own recorder object of one class does not), pins, not where output goes."""
+    from helpers import OpRecorder, recording_backend
+
+    from amp_compiler.training_setup import TrainingSetup
+
+    def settings(**options):
+        setup = TrainingSetup("make_train_step", dtype="bf16", options=options)
+        return setup.start(torch.nn.Linear(2, 2), "cpu").settings()
+
+    assert settings(inner=_inner_a) != settings(inner=_inner_b)
+    assert settings(inner=recording_backend(OpRecorder())) == settings(inner=recording_backend(OpRecorder()))
+    assert settings(fp32_modules=["x"]) != settings() == settings(dump_dir="elsewhere")
