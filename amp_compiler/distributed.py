@@ -87,7 +87,7 @@ def check_same_settings(settings: dict[str, str], entry: str, group=None) -> Non
     if not _active(group):
         return
     every = _gather(settings, group)
-    names = sorted({k for s in every for k in s}, key=lambda k: [*settings, k].index(k))
+    names = dict.fromkeys(k for s in every for k in s)  # rank 0's order, then any other rank's
     differ = [n for n in names if len({s.get(n) for s in every}) > 1]
     if differ:
         ranks = lambda n: ", ".join(f"rank {i}: {s.get(n, '(unset)')}" for i, s in enumerate(every))  # noqa: E731

@@ -409,6 +409,24 @@ PROMOTE_OPS = present(
 # comparisons and selection are exact. Activations are here too: pointwise with
 # output no larger than input, so a Linear -> GELU -> Linear chain stays 16-bit
 # end to end (kernels compute them in FP32 registers anyway).
+# ATen's resizing ops (ONNX's Resize, for the export's kernel table too)
+RESIZE_OPS = present(
+    {
+        aten.upsample_nearest1d,
+        aten.upsample_nearest2d,
+        aten.upsample_nearest3d,
+        aten._upsample_nearest_exact1d,
+        aten._upsample_nearest_exact2d,
+        aten._upsample_nearest_exact3d,
+        aten.upsample_linear1d,
+        aten.upsample_bilinear2d,
+        aten.upsample_bicubic2d,
+        aten.upsample_trilinear3d,
+        aten._upsample_bilinear2d_aa,
+        aten._upsample_bicubic2d_aa,
+    }
+)
+
 PASSTHROUGH_OPS = present(
     {
         # views and shape
@@ -505,7 +523,6 @@ PASSTHROUGH_OPS = present(
         aten.take,
         aten.pixel_shuffle,
         aten.channel_shuffle,
-        aten.upsample_nearest2d,
         aten.zeros_like,
         aten.ones_like,
         aten.empty_like,
@@ -594,17 +611,7 @@ PASSTHROUGH_OPS = present(
         aten.max_unpool2d,
         aten.max_unpool3d,
         # resizing: a copy (nearest) or a weighted average of a few neighbours (linear, cubic)
-        aten.upsample_nearest1d,
-        aten.upsample_nearest3d,
-        aten._upsample_nearest_exact1d,
-        aten._upsample_nearest_exact2d,
-        aten._upsample_nearest_exact3d,
-        aten.upsample_linear1d,
-        aten.upsample_bilinear2d,
-        aten.upsample_bicubic2d,
-        aten.upsample_trilinear3d,
-        aten._upsample_bilinear2d_aa,
-        aten._upsample_bicubic2d_aa,
+        *RESIZE_OPS,
         # comparisons and selection: exact
         aten.eq,
         aten.ne,

@@ -197,11 +197,11 @@ class TrainingSetup:
             return model
         units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
         if units:
-            inner = {n for n, m in units.items() if any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
-            leaves = [m for n, m in units.items() if n not in inner]
+            outer = {n for n, m in units.items() if any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)}
+            leaves = [m for n, m in units.items() if n not in outer]
             # an outer unit's own layers (an LM's embedding, final norm and head: 10-30% of its
             # weights); what lies between them (residual glue, the loss) runs as written
-            own = [m for name in sorted(inner) for m in _own_layers(units[name])]
+            own = [m for name in sorted(outer) for m in _own_layers(units[name])]
             for m in (*leaves, *own):
                 self._compile_forward(m)
             log.info(
@@ -260,18 +260,19 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return module_device(model)
 
 
+def _layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (not a container) and trainable parameters."""
+    return type(module).forward is not torch.nn.Module.forward and any(p.requires_grad for p in module.parameters())
+
+
 def _callable_children(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """Direct children with trainable parameters and a forward of their own (not containers)."""
-    return [
-        child
-        for child in module.children()
-        if type(child).forward is not torch.nn.Module.forward and any(p.requires_grad for p in child.parameters())
-    ]
+    """Direct children that are layers (``_layer``)."""
+    return [child for child in module.children() if _layer(child)]
 
 
 def _own_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest submodules of an FSDP2 unit that are no unit and hold none, with trainable
-    parameters and a forward of their own: the unit's own layers."""
+    """The largest submodules of an FSDP2 unit that are no unit, hold none and are layers
+    (``_layer``): the unit's own layers."""
     from torch.distributed.fsdp import FSDPModule
 
     found = []
@@ -280,6 +281,6 @@ def _own_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         if any(isinstance(m, FSDPModule) for m in child.modules()):
             found += _own_layers(child)
-        elif type(child).forward is not torch.nn.Module.forward and any(p.requires_grad for p in child.parameters()):
+        elif _layer(child):
             found.append(child)
     return found

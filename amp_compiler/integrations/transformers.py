@@ -74,7 +74,6 @@ class AmpCallback(TrainerCallback):
             "AmpCallback", dtype=dtype, config=config, options=options, max_uncompiled_share=max_uncompiled_share
         )
         self._reuse: ReuseRule | None = None
-        self.flag: str | None = None  # the Trainer's bf16/fp16 flag, read as the request
         self.trainer = None
         self.forwards: list[str] = []  # the forwards compiled under the plan
         self._planned = weakref.WeakSet()
@@ -119,7 +118,6 @@ class AmpCallback(TrainerCallback):
                 f"AmpCallback(dtype={flag!r})"
             )
         take_over_mixed_precision(self.trainer)
-        self.flag = flag
         self.setup.request(flag, f"TrainingArguments({flag}=True)")
         if getattr(args, "precompute_ref_log_probs", False):
             self._plan_precomputed_reference(self.trainer)

@@ -167,6 +167,8 @@ def export_fp32_pins(target: str) -> dict:
 
 
 def _cuda_pins(aten) -> dict:
+    from ..policy import RESIZE_OPS
+
     lowering = {
         # im2col / col2im (nn.Unfold / nn.Fold, ConvBERT) pad their input in the lowering
         "Pad": (
@@ -182,20 +184,7 @@ def _cuda_pins(aten) -> dict:
             aten.im2col,
             aten.col2im,
         ),
-        "Resize": (
-            aten.upsample_nearest1d,
-            aten.upsample_nearest2d,
-            aten.upsample_nearest3d,
-            aten._upsample_nearest_exact1d,
-            aten._upsample_nearest_exact2d,
-            aten._upsample_nearest_exact3d,
-            aten.upsample_linear1d,
-            aten.upsample_bilinear2d,
-            aten.upsample_bicubic2d,
-            aten.upsample_trilinear3d,
-            aten._upsample_bilinear2d_aa,
-            aten._upsample_bicubic2d_aa,
-        ),
+        "Resize": RESIZE_OPS,
         "ReduceMax": (aten.amax, aten.max, aten.aminmax),
         "ReduceMin": (aten.amin, aten.min),
     }
