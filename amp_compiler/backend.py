@@ -14,6 +14,7 @@ import torch
 from amp_compiler.passes import PIPELINE, PassContext, PassRecord, run_pipeline
 from amp_compiler.passes.gradient_flow import check_gradient_flow
 
+from . import plan_cache
 from .autocast_region import autocast_around, autocast_region, warn_autocast_around
 from .capture import to_aten
 from .coverage import MAX_UNCOMPILED_SHARE, Coverage
@@ -214,7 +215,7 @@ class AmpBackend:
         with _saved_tensors_hooks_off():
             if dtype == "fp32":
                 return self._record_unapplied(gm, example_inputs, opts, reason)
-            return self._rewrite(gm, example_inputs, opts, dtype, reason)
+            return self._rewrite(gm, example_inputs, opts, dtype, reason, around)
 
     def _planned(self, gm, example_inputs, opts, low_dtype):
         """Dynamo's graph as ATen, through the pipeline: (graph, fake mode, fake inputs, passes)."""
@@ -222,15 +223,25 @@ class AmpBackend:
         ctx = PassContext(policy=opts.policy(low_dtype), options=opts, fake_mode=fake_mode, graph_index=self.compiled)
         return aten_gm, fake_mode, inputs, run_pipeline(aten_gm, ctx, self.pipeline)
 
-    def _rewrite(self, gm, example_inputs, opts, dtype, reason) -> CompileRecord:
-        aten_gm, fake_mode, inputs, passes = self._planned(gm, example_inputs, opts, LOW_DTYPES[dtype])
-        aten_gm.recompile()
+    def _rewrite(self, gm, example_inputs, opts, dtype, reason, around=None) -> CompileRecord:
         reason = _with_policy(reason, opts)
+        digest = plan_cache.key(gm, example_inputs, opts, dtype, around)
+        restored = plan_cache.load(digest, gm, self.compiled, reason) if digest else None
+        if restored is not None:  # planned by an earlier process: the same graph, options, code
+            restored.replay()
+            if opts.policy_source is not None:
+                check_fingerprint(opts.policy_source, fingerprint(restored.plan.nodes))
+            return self._record(gm, example_inputs, opts, restored.graph, restored.plan, restored.passes)
+        with plan_cache.logged_while_planning() as logged:
+            aten_gm, fake_mode, inputs, passes = self._planned(gm, example_inputs, opts, LOW_DTYPES[dtype])
+        aten_gm.recompile()
         plan = GraphPlan.from_graph(aten_gm, self.compiled, dtype, reason)
         if opts.policy_source is not None:
             check_fingerprint(opts.policy_source, fingerprint(plan.nodes))
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
+        if digest:
+            plan_cache.store(digest, aten_gm, plan, passes, logged)
         return self._record(gm, example_inputs, opts, aten_gm, plan, passes)
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> CompileRecord:

@@ -197,7 +197,7 @@ def _keep_names(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> N
         traced.recompile()
 
 
-def _keep_dynamo_inputs(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
+def keep_dynamo_inputs(source: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
     """Carry over what AOTAutograd reads off a Dynamo graph (its compile id, each input's
     source and static mark): without it parameters are not static inputs, so the
     partitioner prices saving them like activations (it saved 16-bit weight copies
@@ -250,5 +250,5 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple
     aten_gm.graph.eliminate_dead_code()
     _mark_grad_inputs(aten_gm, [*example_inputs, *held.values()])
     _keep_names(gm, aten_gm)
-    _keep_dynamo_inputs(gm, aten_gm)
+    keep_dynamo_inputs(gm, aten_gm)
     return aten_gm, fake_mode, inputs

@@ -80,6 +80,14 @@ def gradient_flow_runs(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_plan_cache(monkeypatch):
+    """Plans are not remembered from test to test: several tests patch amp's tables or passes
+    in process, which a cache keyed by amp's source files cannot see (test_plan_cache.py
+    turns it on)."""
+    monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
     torch.manual_seed(0)

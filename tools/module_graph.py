@@ -45,7 +45,7 @@ LAYERS = [
     ),
     ("plan and capture", ["options", "plan", "capture"]),
     ("passes", ["passes"]),
-    ("backend", ["backend", "autocast_region", "coverage", "inductor", "ds_config"]),
+    ("backend", ["backend", "plan_cache", "autocast_region", "coverage", "inductor", "ds_config"]),
     ("tools on the backend", ["explain", "compare", "distributed", "render"]),
     ("jobs", ["training_setup", "train", "doctor", "calibrate", "onnx_export"]),
     ("front ends", ["integrations", "cli", "demo", "__main__", ""]),

@@ -1,0 +1,154 @@
+"""The plan cache: a restarted process restores amp's plan for a graph it planned before,
+and plans again whenever anything the plan depends on differs."""
+
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import LOW_EXEC
+
+import amp_compiler.backend
+from amp_compiler import AmpBackend, plan_cache
+
+
+class Net(nn.Module):
+    """Two matmuls around an op amp's tables do not know (it runs in FP32, with a warning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.special.log_ndtr(self.fc1(x)))
+
+
+@pytest.fixture
+def planned(monkeypatch, tmp_path):
+    """The cache on, in a directory of the test's own; returns the graphs the pipeline planned
+    (by index), so a test sees whether amp planned or restored."""
+    monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ran, real = [], amp_compiler.backend.run_pipeline
+
+    def counted(gm, ctx, pipeline):
+        ran.append(ctx.graph_index)
+        return real(gm, ctx, pipeline)
+
+    monkeypatch.setattr(amp_compiler.backend, "run_pipeline", counted)
+    return ran
+
+
+def entries(tmp_path):
+    return sorted((tmp_path / "amp" / "plans").glob("*/*"))
+
+
+def restart(model, *inputs, **options):
+    """A new process's first compile of ``model``: Dynamo's caches cleared, a new backend."""
+    torch._dynamo.reset()
+    backend = AmpBackend(**options)
+    return backend, torch.compile(model, backend=backend)(*inputs)
+
+
+def test_a_restart_restores_the_plan_and_runs_it(planned, inductor_recorded, amp_log, tmp_path):
+    model, x = Net(), torch.randn(4, 16, requires_grad=True)
+    first, out1 = restart(model, x)
+    (record,) = first.records  # Dynamo's reset clears them: kept here
+    plan = first.plan().to_dict()
+    out1.sum().backward()
+    grads1 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    assert planned == [0] and len(entries(tmp_path)) == 1
+    inductor_recorded.calls.clear()
+    warned = [r.getMessage() for r in amp_log]
+
+    second, out2 = restart(model, x)
+    out2.sum().backward()
+    assert planned == [0], "the restarted process planned again"
+    # what ran: the restored graph, 16-bit matmuls included, with the same results
+    mms = inductor_recorded.dtypes_of(*LOW_EXEC)
+    assert len(mms) == 6 and all(d[:2] == [torch.bfloat16] * 2 for d in mms), mms  # 2 forward, 4 backward
+    assert torch.equal(out1, out2)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads1, model.parameters()))
+    (restored,) = second.records
+    assert restored.graph.code == record.graph.code
+    assert second.plan().to_dict() == plan
+    assert [p.name for p in restored.passes] == [p.name for p in record.passes]
+    # what planning said, said again
+    assert any("unknown op" in w and "special_log_ndtr" in w for w in warned)
+    assert [r.getMessage() for r in amp_log][len(warned) :] == warned
+
+
+CHANGES = {
+    "an option": (lambda: ((torch.randn(4, 16),), {"fp32_modules": ("fc2",)})),
+    "the input's shape": (lambda: ((torch.randn(6, 16),), {})),
+    "the dtype": (lambda: ((torch.randn(4, 16),), {"dtype": "fp16"})),
+}
+
+
+@pytest.mark.parametrize("change", [*CHANGES, "amp's source", "grad mode"])
+def test_what_changes_the_plan_plans_again(planned, inductor_recorded, monkeypatch, change):
+    model = Net()
+    restart(model, torch.randn(4, 16))
+    inputs, options = CHANGES[change]() if change in CHANGES else ((torch.randn(4, 16),), {})
+    if change == "amp's source":
+        monkeypatch.setattr(plan_cache, "_source_digest", lambda: "an edited pass")
+    with torch.set_grad_enabled(change != "grad mode"):
+        backend, _ = restart(model, *inputs, **options)
+    plan = backend.plan().to_dict()
+    assert planned == [0, 0], f"{change}: the plan was restored"
+    # and the same again restores
+    with torch.set_grad_enabled(change != "grad mode"):
+        again, _ = restart(model, *inputs, **options)
+    assert planned == [0, 0]
+    assert again.plan().to_dict() == plan
+
+
+@pytest.mark.parametrize("off", ["env", "inductor"])
+def test_switched_off_it_stores_nothing(planned, inductor_recorded, monkeypatch, tmp_path, off):
+    if off == "env":
+        monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "0")
+    else:
+        monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    model, x = Net(), torch.randn(4, 16)
+    restart(model, x)
+    restart(model, x)
+    assert planned == [0, 0] and entries(tmp_path) == []
+
+
+def test_a_damaged_entry_is_planned_again_and_replaced(planned, inductor_recorded, tmp_path):
+    model, x = Net(), torch.randn(4, 16)
+    _, out1 = restart(model, x)
+    (entry,) = entries(tmp_path)
+    entry.write_bytes(b"half a file")
+    _, out2 = restart(model, x)
+    assert planned == [0, 0] and torch.equal(out1, out2)
+    assert pickle.loads(entry.read_bytes())[0] == plan_cache.FORMAT
+    restart(model, x)
+    assert planned == [0, 0]
+
+
+def test_only_graphs_planned_for_inductor_without_held_tensors_are_cached(planned):
+    gm = torch.fx.symbolic_trace(nn.Linear(4, 4))  # reads its weight off the module
+    x = [torch.randn(2, 4)]
+    opts = AmpBackend().options
+    assert plan_cache.key(gm, x, opts, "bf16", None) is None
+    plain = torch.fx.symbolic_trace(lambda a: a @ a)
+    assert plan_cache.key(plain, x, opts, "bf16", None) is not None
+    assert plan_cache.key(plain, x, opts.replace(inner="aot_eager"), "bf16", None) is None
+    assert plan_cache.key(plain, x, opts.replace(dump_dir="graphs"), "bf16", None) is None
+
+
+def test_inductor_compiles_the_restored_graph_from_its_own_cache(planned):
+    """Real Inductor: the restored graph is the one its caches saw (AOTAutograd's cache hits)."""
+    from torch._dynamo.utils import counters
+
+    model, x = Net(), torch.randn(4, 16, requires_grad=True)
+    _, out1 = restart(model, x)
+    out1.sum().backward()  # AOTAutograd stores its entry once backward is compiled too
+    counters.clear()
+    _, out2 = restart(model, x)
+    out2.sum().backward()
+    assert planned == [0]
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert torch.equal(out1, out2)
