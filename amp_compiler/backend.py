@@ -241,7 +241,7 @@ class AmpBackend:
         inline_outlined(aten_gm)
         check_gradient_flow(gm, aten_gm, inputs, fake_mode)
         if digest:
-            plan_cache.store(digest, aten_gm, plan, passes, logged)
+            plan_cache.store(digest, aten_gm, plan, passes, logged)  # in canonical order, as restored
         return self._record(gm, example_inputs, opts, aten_gm, plan, passes)
 
     def _record_unapplied(self, gm, example_inputs, opts, reason) -> CompileRecord:

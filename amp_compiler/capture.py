@@ -241,7 +241,10 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> tuple
 
     inputs, fake_mode = fake_inputs(example_inputs)
     held_fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in held.values()]
-    with fx_traceback.preserve_node_meta(), fake_mode:
+    # a lazy module writes its code when first read, not at each recompile: AOTAutograd's cache
+    # key renames the inputs and back (two recompiles, ~0.15 s of a 12-layer decoder's restart)
+    lazy = private("torch.fx._lazy_graph_module._use_lazy_graph_module")(True)
+    with lazy, fx_traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True, decomposition_table=FUSED_LAYERS)(*inputs, *held_fakes)
     if held:
         _restore_attributes(gm, aten_gm, held)

@@ -45,7 +45,7 @@ from .upstream.torch_private import private
 
 log = logging.getLogger("amp_compiler")
 
-FORMAT = 1  # bumped when what is stored changes shape
+FORMAT = 2  # bumped when what is stored changes shape
 ENV = "AMP_COMPILER_PLAN_CACHE"
 # meta a restored graph leaves out: fake values (Inductor traces the graph again from its
 # inputs; the plan's sizes were taken before storing)
@@ -144,11 +144,12 @@ def load(digest: str, gm: torch.fx.GraphModule, index: int, reason: str) -> Rest
     except OSError:
         return None
     try:
-        fmt, graph_bytes, plan, passes, logged = pickle.loads(data)
+        fmt, graph_bytes, name, plan, passes, logged = pickle.loads(data)
         if fmt != FORMAT:
             return None
         fake_mode = private("torch._subclasses.fake_tensor.FakeTensorMode")()
         graph = private("torch.fx._graph_pickler.GraphPickler").loads(graph_bytes, fake_mode)
+        graph = _as_planned(graph, name)
         keep_dynamo_inputs(gm, graph)  # this compile's input sources, as a fresh capture has them
     except Exception as e:  # noqa: BLE001 - a damaged entry costs a planning, never the run
         log.debug("amp: plan cache entry %s unreadable (%s: %s); planning again", path, type(e).__name__, e)
@@ -166,14 +167,37 @@ def load(digest: str, gm: torch.fx.GraphModule, index: int, reason: str) -> Rest
 def store(digest: str, graph: torch.fx.GraphModule, plan: GraphPlan, passes: list, logged: list) -> None:
     """Remember a plan; one that cannot be pickled or written is left unremembered."""
     try:
+        if hasattr(graph, "real_recompile"):  # a lazy module's code, up to date before it is stored
+            graph.real_recompile()
+        canonical(graph)
         with _values_set_aside(graph):
             graph_bytes = private("torch.fx._graph_pickler.GraphPickler").dumps(graph)
-        data = pickle.dumps((FORMAT, graph_bytes, plan, passes, logged))
+        data = pickle.dumps((FORMAT, graph_bytes, type(graph).__name__, plan, passes, logged))
         path = _path(digest)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes(str(path), data)
     except Exception as e:  # noqa: BLE001 - the cache only saves time
         log.debug("amp: plan not cached (%s: %s)", type(e).__name__, e)
+
+
+def canonical(graph: torch.fx.GraphModule) -> None:
+    """Its attributes in one order: AOTAutograd's cache key pickles the module's ``__dict__``,
+    and a planned graph gains its attributes in another order than a restored one."""
+    attributes = sorted(graph.__dict__.items())
+    graph.__dict__.clear()
+    graph.__dict__.update(attributes)
+
+
+def _as_planned(graph: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
+    """The unpickled module as the planned one was: lazy (its code written when read, not at
+    each recompile) and of its class name, both part of AOTAutograd's cache key. Its state,
+    code included, carries over whole: a new module would write its code again."""
+    lazy = private("torch.fx._lazy_graph_module._LazyGraphModule")
+    restored = lazy.__new__(lazy)  # GraphModule.__new__ gives each module a class of its own
+    restored.__dict__.update(graph.__dict__)
+    restored._graph.owning_module = restored
+    type(restored).__name__ = name
+    return restored
 
 
 @contextlib.contextmanager

@@ -59,6 +59,10 @@ SURFACE: dict[str, str] = {
     "torch._inductor.custom_graph_pass.get_hash_for_files": "the passes' cache keys",
     "torch._inductor.runtime.cache_dir_utils.cache_dir": "where a passed gradient-flow check and a plan are remembered",
     "torch.fx._graph_pickler.GraphPickler": "a planned graph stored with its node metadata (the plan cache)",
+    "torch.fx._lazy_graph_module._use_lazy_graph_module": (
+        "planned graphs whose code is written when read, not at every recompile (as Dynamo's)"
+    ),
+    "torch.fx._lazy_graph_module._LazyGraphModule": "a restored planned graph, lazy as a planned one is",
     "torch._inductor.config.force_disable_caches": "no remembered gradient-flow check where caches are off",
     "torch._functorch.config": "the activation memory budget of one compile",
     "torch._functorch.config.activation_memory_budget": "memory_budget=",
