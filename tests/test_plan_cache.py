@@ -106,13 +106,12 @@ def test_what_changes_the_plan_plans_again(planned, inductor_recorded, monkeypat
 
 @pytest.mark.parametrize("off", ["env", "inductor"])
 def test_switched_off_it_stores_nothing(planned, inductor_recorded, monkeypatch, tmp_path, off):
-    if off == "env":
-        monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "0")
-    else:
-        monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "0" if off == "env" else "1")
     model, x = Net(), torch.randn(4, 16)
-    restart(model, x)
-    restart(model, x)
+    # config.patch: monkeypatch's undo would delete the config entry
+    with torch._inductor.config.patch(force_disable_caches=off == "inductor"):
+        restart(model, x)
+        restart(model, x)
     assert planned == [0, 0] and entries(tmp_path) == []
 
 
