@@ -92,12 +92,7 @@ def key(
     """The plan's key, or None where it is not cached (see the module's note)."""
     if not enabled() or opts.inner != "inductor" or opts.dump_dir is not None or held_tensors(gm):
         return None  # dump_dir: the passes write their graphs as they run
-    options = []
-    for name in AmpOptions.names():
-        value = getattr(opts, name)
-        if callable(value):
-            return None
-        options.append(f"{name}={value!r}")
+    options = [f"{name}={getattr(opts, name)!r}" for name in AmpOptions.names()]  # inner, the one callable, is a name
     if opts.policy_source is not None:
         options.append(repr(opts.policy_source.fingerprints))
     digest = hashlib.sha256()
