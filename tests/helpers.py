@@ -19,11 +19,12 @@ from amp_compiler import AmpBackend
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records (op packet, floating input dtypes) of every ATen op executed."""
+    """Records (op packet, floating input dtypes) of every ATen op executed, and their shapes."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[object, list[torch.dtype]]] = []
+        self.shapes: list[list[tuple[int, ...]]] = []  # the floating inputs' shapes, call by call
         self.casts: list[tuple[torch.dtype, torch.dtype]] = []  # (from, to) of each dtype cast run
 
     # higher-order ops (the RNG-state wrappers AOTAutograd puts around random ops under
@@ -40,15 +41,17 @@ class OpRecorder(TorchDispatchMode):
     def record(self, op, args, kwargs) -> None:
         if op is torch.ops.aten._to_copy and kwargs.get("dtype") not in (None, args[0].dtype):
             self.casts.append((args[0].dtype, kwargs["dtype"]))
-        self.calls.append(
-            (
-                op,
-                [a.dtype for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()],
-            )
-        )
+        floats = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        self.calls.append((op, [a.dtype for a in floats]))
+        self.shapes.append([tuple(a.shape) for a in floats])
 
     def dtypes_of(self, *packets) -> list[list[torch.dtype]]:
         return [call[1] for call in self.calls if call[0] in packets]  # subclasses may add fields
+
+    def dtypes_where(self, packets, shape_test) -> list[list[torch.dtype]]:
+        """Input dtypes of the calls to ``packets`` whose input shapes pass ``shape_test``:
+        tells one module's GEMM from the rest by its weight's shape."""
+        return [c[1] for c, s in zip(self.calls, self.shapes) if c[0] in packets and shape_test(s)]
 
 
 class RecordingBackend:
@@ -324,6 +327,13 @@ def assert_executed_dtypes(rec: OpRecorder, low=torch.bfloat16):
     assert fp32_calls
     for dtypes in fp32_calls:
         assert all(d == torch.float32 for d in dtypes), dtypes
+
+
+def assert_near(out: torch.Tensor, ref: torch.Tensor, share: float) -> None:
+    """``out`` within ``share`` of ``ref``'s largest magnitude, everywhere: BF16 rounding of a
+    small model's matmuls lands at 0.3-0.7% of it (measured), a wrong graph at tens of %."""
+    worst = (out.float() - ref.float()).abs().max().item()
+    assert worst <= share * ref.abs().max().item(), f"off by {worst:.4g}, limit {share} x {ref.abs().max().item():.4g}"
 
 
 def check_against_fp32(model, inputs, low="bf16", loss_tol=0.02, cos_min=0.99):

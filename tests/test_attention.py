@@ -97,12 +97,17 @@ def test_written_out_attention_keeps_the_fused_ops_memory_layout():
 def test_trainable_mask_is_written_out_under_attention_fused_too():
     """attention="fused" cannot keep an SDPA whose mask needs a gradient fused: PyTorch would
     run its FP32 math form under a LOW plan."""
-    backend = AmpBackend(inner="eager", attention="fused")
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec), attention="fused")
     model = BiasedAttention()
     torch.compile(model, backend=backend)(torch.randn(2, 6, 16)).backward()
     record = next(r for r in backend.records[0].passes if r.name == "decompose_attention")
     assert record.detail == {"decomposed": {"trainable_mask": 1}}
     assert model.bias.grad is not None
+    # what ran: no SDPA kernel (whose math form would upcast), the scores' matmuls in BF16
+    assert not [op for op, _ in rec.calls if "scaled_dot_product" in str(op)]
+    bmm = rec.dtypes_of(aten.bmm)
+    assert len(bmm) >= 2 and all(d[:2] == [torch.bfloat16] * 2 for d in bmm), bmm
 
 
 def test_cpu_sdpa_over_long_sequences_stays_fused():
@@ -112,11 +117,20 @@ def test_cpu_sdpa_over_long_sequences_stays_fused():
     t = 2048
     assert t * t > SHORT_SCORES
     q = torch.randn(1, 1, t, 4, requires_grad=True)
-    backend = AmpBackend(inner="eager")
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec))
     f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend=backend)
     f(q).sum().backward()
     assert [n.precision for n in backend.plan().by_op("aten.scaled_dot_product_attention")] == ["LOW"]
     assert not backend.plan().by_op("aten.softmax")
+    # what ran: the fused kernel, forward and backward, on BF16 operands; no scores materialised
+    fused = rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu)
+    assert len(fused) == 1 and fused[0][:3] == [torch.bfloat16] * 3, fused
+    back = rec.dtypes_of(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    # grad_out, q, k, v, out in BF16; the kernel's own logsumexp stays FP32
+    assert back == [[torch.bfloat16] * 5 + [torch.float32]], back
+    assert not rec.dtypes_of(aten.bmm, aten._softmax)
+    assert torch.isfinite(q.grad).all()
 
 
 class AttentionLoss(nn.Module):

@@ -17,6 +17,7 @@ from helpers import (
     OpRecorder,
     TinyLM,
     assert_executed_dtypes,
+    assert_near,
     check_against_fp32,
     profiled_gemms,
     recording_backend,
@@ -64,6 +65,13 @@ ids = torch.randint(0, 64, (2, 12))
 labels = torch.randint(0, 64, (2, 12))
 
 
+GEMMS = (aten.mm, aten.addmm, aten.bmm)
+
+
+def _vocab_wide(shapes) -> bool:  # TinyLM's head is the only GEMM with a 64-wide operand
+    return any(64 in s for s in shapes)
+
+
 @pytest.mark.parametrize("sdpa", [False, True], ids=["softmax_attention", "sdpa"])
 def test_e2e_transformer_matmuls_bf16_softmax_norms_fp32(sdpa):
     """A transformer LM trains one step: matmuls executed in BF16, softmax/norms/loss in FP32."""
@@ -87,7 +95,8 @@ def test_e2e_cnn_batchnorm_conv_bf16_bn_fp32_running_stats_fp32():
     for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
         assert b.dtype == rb.dtype, name
         if b.is_floating_point():
-            torch.testing.assert_close(b, rb, atol=0.02, rtol=0.02)
+            # measured <= 8e-5 off eager's; stats left un-updated are 0.015-0.09 off
+            torch.testing.assert_close(b, rb, atol=5e-4, rtol=0)
         else:
             assert torch.equal(b, rb), name
 
@@ -100,7 +109,7 @@ def test_e2e_mlp_matches_torch_autocast_where_policies_agree():
         expected = model(x).float()
     got = torch.compile(model, backend=AmpBackend(inner="eager"))(x)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)  # measured: bitwise equal
     assert (got - model(x)).abs().max() > 0  # it really ran in BF16
 
 
@@ -143,7 +152,7 @@ def test_e2e_inductor_inner_compiles_and_matches(no_caches):
     assert out.dtype == torch.float32
     _, gemms = profiled_gemms(lambda: compiled(x))  # what the generated code ran
     assert gemms == [["bf16", "bf16"]] * 2, gemms
-    torch.testing.assert_close(out, model(x), atol=0.05, rtol=0.05)
+    assert_near(out, model(x), 0.015)  # measured 0.65%
 
 
 def test_backend_resolves_by_name_in_fresh_interpreter():
@@ -202,7 +211,9 @@ def test_dynamic_shapes_one_graph_serves_all_lengths():
     counts = []
     for t in (5, 9, 13):
         x = torch.randint(0, 64, (2, t))
-        torch.testing.assert_close(compiled(x), model(x), atol=0.1, rtol=0.05)
+        # measured 0.37-0.49%; a BF16 softmax and LayerNorm give the same on this random
+        # model (so precision is proven by what executed, elsewhere): the bound holds semantics
+        assert_near(compiled(x), model(x), 0.015)
         counts.append(len(backend.records))
     # Dynamo may trace twice on the first call (it retries with floats specialised),
     # but no length after the first compiles again.
@@ -218,7 +229,7 @@ def test_automatic_dynamic_recompile_is_rewritten_too():
     compiled = torch.compile(model, backend=backend)
     for b in (2, 3, 4):
         x = torch.randn(b, 16)
-        torch.testing.assert_close(compiled(x), model(x), atol=0.05, rtol=0.05)
+        assert_near(compiled(x), model(x), 0.015)  # measured 0.27-0.52%
     assert len(backend.records) == 2
     # what executed: both linears of every call in BF16, in both graphs
     assert [d[0] for d in rec.dtypes_of(torch.ops.aten.addmm)] == [torch.bfloat16] * 2 * 3
@@ -243,7 +254,7 @@ def test_graph_breaks_every_graph_rewritten():
     assert len(backend.records) == 2
     assert [d[0] for d in rec.dtypes_of(torch.ops.aten.addmm)] == [torch.bfloat16] * 4  # 2 a graph
     assert [d[0] for d in rec.dtypes_of(torch.ops.aten._softmax)] == [torch.float32]
-    torch.testing.assert_close(out, model(x), atol=0.02, rtol=0.05)
+    assert_near(out, model(x), 0.005)  # measured 0.06% (outputs of a softmax)
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
@@ -257,7 +268,7 @@ def test_inference_modes(mode):
     ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     with ctx():
         out = compiled(x)
-    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
+    assert_near(out, expected, 0.015)  # measured 0.38%
     low = rec.dtypes_of(torch.ops.aten.convolution, torch.ops.aten.addmm, torch.ops.aten.mm)
     assert len(low) >= 3 and all(d[0] == torch.bfloat16 for d in low)
 
@@ -266,20 +277,32 @@ def test_tied_weights_cast_once_grads_shared():
     """An embedding tied to the LM head: one parameter, one cast, FP32 grad."""
     model = LMLoss(tied=True)
     assert model.lm.embed.weight is model.lm.lm_head.weight
-    _, backend, _ = check_against_fp32(model, (ids, labels))
+    rec, backend, _ = check_against_fp32(model, (ids, labels))
     assert model.lm.embed.weight.grad.dtype == torch.float32
     head = [n for n in backend.plan().nodes if n.module == "lm.lm_head"]
     assert head and head[0].precision == "LOW"
+    # what ran: the head's GEMMs (an operand of vocabulary width, 64) in BF16, forward and backward
+    ran = rec.dtypes_where(GEMMS, _vocab_wide)
+    assert len(ran) == 3 and all(d[:2] == [torch.bfloat16] * 2 for d in ran), ran
 
 
 def test_fp32_modules_pins_lm_head():
-    """fp32_modules=[r'lm_head'] keeps that Linear in FP32 with a reason naming the pattern."""
+    """fp32_modules=[r'lm_head'] keeps that Linear in FP32 with a reason naming the pattern:
+    its GEMMs execute in FP32, forward and backward, and every other GEMM in BF16."""
     plan = amp_compiler.explain(TinyLM(), ids, options={"fp32_modules": [r"lm_head$"]})
     head = [n for n in plan.nodes if n.module == "lm_head"]
     assert head and all(n.precision == "FP32" for n in head)
     assert "fp32_modules" in head[0].reason
     others = [n for n in plan.by_op("aten.linear") if n.module != "lm_head"]
     assert others and all(n.precision == "LOW" for n in others)
+
+    rec = OpRecorder()
+    backend = AmpBackend(inner=recording_backend(rec), fp32_modules=[r"lm_head$"])
+    torch.compile(LMLoss(), backend=backend)(ids, labels).backward()
+    pinned = rec.dtypes_where(GEMMS, _vocab_wide)
+    assert len(pinned) == 3 and all(d == [torch.float32] * len(d) for d in pinned), pinned
+    rest = rec.dtypes_where(GEMMS, lambda shapes: not _vocab_wide(shapes))
+    assert len(rest) >= 10 and all(d[:2] == [torch.bfloat16] * 2 for d in rest), rest
 
 
 class DisabledRegion(nn.Module):
@@ -299,6 +322,11 @@ def test_autocast_disabled_region_is_pinned_fp32():
     (mm,) = plan.by_op("aten.matmul")
     assert mm.precision == "FP32" and "autocast(enabled=False)" in mm.reason
     assert plan.by_op("aten.linear")[0].precision == "LOW"
+
+    rec = OpRecorder()
+    torch.compile(DisabledRegion(), backend=AmpBackend(inner=recording_backend(rec)))(torch.randn(4, 8))
+    assert rec.dtypes_of(aten.addmm) == [[torch.bfloat16] * 3]  # the Linear
+    assert rec.dtypes_of(aten.mm) == [[torch.float32] * 2]  # the product inside the region
 
 
 def test_integer_inputs_and_float64_buffers_untouched():

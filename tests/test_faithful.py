@@ -150,6 +150,7 @@ def test_fft_runs_fp32_and_resizing_passes_through():
     assert fft.precision == "FP32" and "FFT" in fft.reason
     assert by_op["aten.upsample_bilinear2d.vec"].precision == "PASSTHROUGH"
     assert by_op["aten.broadcast_tensors.default"].precision == "PROMOTE"
+    assert rec.dtypes_of(aten.view_as_complex) == [[torch.float32]]  # the FFT reads FP32 numbers
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
     assert cosine(grads(model), grads(ref)) >= 0.999
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
@@ -177,6 +178,8 @@ def test_complex_rotary_runs_fp32_where_complex_numbers_are_made():
     assert plan.summary()["unknown_ops"] == {}
     made = [n for n in plan.nodes if n.op.startswith(("aten.view_as_complex", "aten.polar"))]
     assert len(made) == 2 and all(n.precision == "FP32" and "complex" in n.reason for n in made)
+    assert rec.dtypes_of(aten.view_as_complex) == [[torch.float32]] * 2
+    assert rec.dtypes_of(aten.polar) == [[torch.float32] * 2]
     assert all(d[:2] == [torch.bfloat16] * 2 for d in rec.dtypes_of(*MATMULS))
     assert cosine(grads(model), grads(ref)) >= 0.999
     assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item())
@@ -321,11 +324,13 @@ def test_checkpoint_recompute_in_backward_matches_forward_precision():
 
 def test_inplace_copy_of_other_dtype_computes_in_written_dtype():
     """copy_ / slice assignment of an FP32 value into a BF16 buffer: one cast of the source."""
-    loss, ref_loss, model, ref, backend, _ = _step(RotaryCopy(), (torch.randn(4, 8),))
+    loss, ref_loss, model, ref, backend, rec = _step(RotaryCopy(), (torch.randn(4, 8),))
     assert cosine(grads(model), grads(ref)) >= 0.99
     copies = [n for n in backend.plan().nodes if n.op == "aten.copy_.default"]
     assert copies and all(n.compute_dtype == "bf16" and n.dtype == "bf16" for n in copies)
     assert any(n.casts for n in copies)
+    written = rec.dtypes_of(aten.copy, aten.slice_scatter)  # the writes, as functionalised
+    assert len(written) >= 4 and all(d == [torch.bfloat16] * 2 for d in written), written
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -333,7 +338,7 @@ def test_mask_fill_with_fp32_min_stays_finite(dtype):
     """A fully masked row gives FP32's finite answer, not NaN: the fill becomes the low extreme."""
     mask = torch.zeros(4, 4, dtype=torch.bool)
     mask[0] = True  # one row masked out entirely
-    loss, ref_loss, model, ref, backend, _ = _step(MaskFill(), (torch.randn(4, 8), mask), dtype)
+    loss, ref_loss, model, ref, backend, rec = _step(MaskFill(), (torch.randn(4, 8), mask), dtype)
     assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
     assert abs(loss.item() - ref_loss.item()) <= 0.03 * abs(ref_loss.item())
     fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
@@ -342,16 +347,20 @@ def test_mask_fill_with_fp32_min_stays_finite(dtype):
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     values = [n.args[2] for n in graph.graph.nodes if n.target is aten.masked_fill.Scalar]
     assert values == [torch.finfo(low).min]
+    filled = rec.dtypes_of(aten.masked_fill)
+    assert filled and all(d == [low] for d in filled), filled
 
 
 def test_mask_fill_constant_beyond_fp16_runs_in_fp32():
     """-1e9 is not FP32's extreme, just too big for FP16: the fill runs in FP32 instead."""
     mask = torch.zeros(4, 4, dtype=torch.bool)
     mask[0] = True
-    loss, ref_loss, model, _, backend, _ = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "fp16")
+    loss, ref_loss, model, _, backend, rec = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "fp16")
     assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
     fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
     assert fill[0].precision == "FP32" and "does not fit fp16" in fill[0].reason
+    filled = rec.dtypes_of(aten.masked_fill)
+    assert filled and all(d == [torch.float32] for d in filled), filled
 
 
 class WhereFull(nn.Module):
@@ -372,11 +381,13 @@ class WhereFull(nn.Module):
 def test_where_with_a_filled_fp32_minimum_compiles_and_stays_finite(dtype):
     mask = torch.zeros(4, 8, dtype=torch.bool)
     mask[0], mask[1, :4] = True, True
-    loss, ref_loss, model, ref, backend, _ = _step(WhereFull(), (torch.randn(4, 8), mask), dtype)
+    loss, ref_loss, model, ref, backend, rec = _step(WhereFull(), (torch.randn(4, 8), mask), dtype)
     assert torch.isfinite(loss) and torch.isfinite(grads(model)).all()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=0.02)
     where = [n for n in backend.plan().nodes if n.op.startswith("aten.where")]
     assert where and where[0].precision == "FP32" and "does not fit" in where[0].reason
+    ran = rec.dtypes_of(aten.where)
+    assert ran and all(d == [torch.float32] * 2 for d in ran), ran
 
 
 class TinyEps(nn.Module):
@@ -400,23 +411,27 @@ def test_constant_that_rounds_to_zero_in_fp16_runs_in_fp32():
     assert torch.isfinite(grads(model)).all() and cosine(grads(model), grads(ref)) >= 0.999
     eps = [n for n in backend.plan().nodes if n.name in ("clamp", "add")]  # h.clamp, h + 1e-10
     assert len(eps) == 2 and all(n.precision == "FP32" and "rounds to 0 in fp16" in n.reason for n in eps)
+    assert rec.dtypes_of(aten.clamp) == [[torch.float32]]
     assert all(d[:2] == [torch.float16] * 2 for d in rec.dtypes_of(*MATMULS))
     with torch.autocast("cpu", dtype=torch.float16):  # what a per-op policy gives
         assert not torch.isfinite(copy.deepcopy(ref)(torch.randn(4, 8)))
 
 
 def test_constants_that_bf16_holds_stay_where_the_plan_puts_them():
-    _, _, _, _, backend, _ = _step(TinyEps(), (torch.randn(4, 8),), "bf16")
+    _, _, _, _, backend, rec = _step(TinyEps(), (torch.randn(4, 8),), "bf16")
     eps = [n for n in backend.plan().nodes if n.name in ("clamp", "add")]
     assert len(eps) == 2 and all(n.precision != "FP32" and "rounds to 0" not in n.reason for n in eps)
+    assert rec.dtypes_of(aten.clamp) == [[torch.bfloat16]]  # on the ReLU's BF16 output, as planned
 
 
 def test_mask_fill_in_bf16_keeps_small_constants():
     """-1e9 fits BF16: nothing is refitted, the fill stays where the plan put it."""
     mask = torch.zeros(4, 4, dtype=torch.bool)
-    _, _, _, _, backend, _ = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "bf16")
+    _, _, _, _, backend, rec = _step(MaskFill(fill=-1e9), (torch.randn(4, 8), mask), "bf16")
     fill = [n for n in backend.plan().nodes if n.op.startswith("aten.masked_fill")]
     assert fill[0].precision == "PASSTHROUGH" and "extreme" not in fill[0].reason
+    filled = rec.dtypes_of(aten.masked_fill)
+    assert filled and all(d == [torch.bfloat16] for d in filled), filled
 
 
 def _detached_weight():
@@ -658,6 +673,7 @@ def test_moe_index_add_of_16_bit_expert_outputs_into_fp32_buffer():
     loss, ref_loss, model, ref, backend, rec = _step(TopKMoE(), (torch.randn(12, 16),))
     added = [n for n in backend.plan().nodes if n.op.startswith("aten.index_add")]
     assert added and all("fp32" in n.reason for n in added)
+    assert rec.dtypes_of(aten.index_add) == [[torch.float32] * 2]
     assert len([d for d in rec.dtypes_of(*MATMULS) if d[:2] == [torch.bfloat16] * 2]) >= 8
     assert all(p.grad is not None for p in model.parameters())
     assert cosine(grads(model), grads(ref)) >= 0.999

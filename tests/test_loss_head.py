@@ -925,18 +925,9 @@ def test_a_head_left_as_written_says_why(loss, why):
     assert MIN_VOCAB > 64
 
 
-class Shapes(OpRecorder):
-    """Also records the sizes of each matmul's operands."""
-
-    def record(self, op, args, kwargs):
-        super().record(op, args, kwargs)
-        if op in MATMULS:
-            self.calls[-1] = (*self.calls[-1], {d for a in args if isinstance(a, torch.Tensor) for d in a.shape})
-
-
 def _projections(rec):
     """The vocabulary projections the graphs executed (matmuls with a V-sized operand)."""
-    return [c for c in rec.calls if c[0] in MATMULS and V in c[2]]
+    return rec.dtypes_where(MATMULS, lambda shapes: any(V in s for s in shapes))
 
 
 def test_logits_read_elsewhere_are_kept_for_that_reader():
@@ -963,8 +954,8 @@ def test_logits_returned_too_are_kept_intact_and_projected_once():
     torch.manual_seed(0)
     model = Decoder("hf", returns_logits=True)
     plain = copy.deepcopy(model)
-    backend, rec, ((loss, logits),), saved = _run(model, "fused", rec=Shapes())
-    _, rec_off, ((loss_off, logits_off),), saved_off = _run(plain, "off", rec=Shapes())
+    backend, rec, ((loss, logits),), saved = _run(model, "fused", rec=OpRecorder())
+    _, rec_off, ((loss_off, logits_off),), saved_off = _run(plain, "off", rec=OpRecorder())
     assert rec.dtypes_of(LOGITS_STATS) and not rec.dtypes_of(HEAD)
     assert len(_projections(rec)) == len(_projections(rec_off)) == 3  # forward, and two in backward
     assert logits.dtype == torch.float32 and torch.equal(logits, logits_off)

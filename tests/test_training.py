@@ -71,26 +71,35 @@ def test_fp16_underflow_loss_scaling_is_what_makes_it_learn():
     assert unscaled[0][-1] > scaled[0][-1] * 1.2
 
 
+def _adam_regression(model, x, y):
+    """300 eager Adam steps in the model's own dtype (FP32, or BF16 weights for a control)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        loss = F.mse_loss(model(x.to(model[0].weight.dtype)).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_low_precision_training_reaches_fp32_loss(dtype):
-    """300 Adam steps on a noisy regression; held-out FP32 loss within 1% of FP32 training's."""
-    x, y = data(n=4096, noise=0.3)
-    x_test, y_test = data(seed=1, n=4096, noise=0.3)
-    ref = mlp()
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    model = mlp()
+    """300 Adam steps on a regression with a low noise floor, where the weights' precision
+    shows: the held-out loss within 1.5x of FP32 training's. Measured: BF16 1.16x, FP16 1.01x;
+    the same training with BF16 weights (no FP32 masters) 2.4x, checked here as the control."""
+    x, y = data(n=4096, noise=0.01)
+    x_test, y_test = data(seed=1, n=4096, noise=0.01)
+    ref, model = mlp(), mlp()
+    _adam_regression(ref, x, y)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step = make_train_step(model, opt, F.mse_loss, dtype=dtype, compile_options=INNER)
     for _ in range(300):
-        loss = F.mse_loss(ref(x), y)
-        opt_ref.zero_grad()
-        loss.backward()
-        opt_ref.step()
         step(x, y)
+    control = mlp().bfloat16()
+    _adam_regression(control, x, y)
     with torch.no_grad():
-        ours = F.mse_loss(model(x_test), y_test).item()
-        theirs = F.mse_loss(ref(x_test), y_test).item()
-    assert abs(ours - theirs) <= 0.01 * theirs, (ours, theirs)
+        ours, theirs, bf16_weights = (F.mse_loss(m.float()(x_test), y_test).item() for m in (model, ref, control))
+    assert ours <= 1.5 * theirs, (ours, theirs)
+    assert bf16_weights > 1.5 * theirs, (bf16_weights, theirs)  # the bound tells masters from none
     assert step.skipped_steps <= 2
 
 

@@ -243,14 +243,7 @@ def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
     still runs (the substitution is for tracing only)."""
     from trl.trainer import utils
 
-    class Shapes(OpRecorder):
-        def record(self, op, args, kwargs):
-            super().record(op, args, kwargs)
-            if op in MATMULS:
-                dims = {d for a in args if isinstance(a, torch.Tensor) for d in a.shape}
-                self.calls[-1] = (*self.calls[-1], dims)
-
-    rec = Shapes()
+    rec = OpRecorder()
     callback = AmpCallback(inner=recording_backend(rec), max_uncompiled_share=0.0)
     g = torch.Generator().manual_seed(0)
     ds = datasets.Dataset.from_dict({"text": [words(g, 12)] * 8})
@@ -258,8 +251,8 @@ def test_trl_head_runs_in_the_plan_and_its_function_outside_a_compile(tmp_path):
     trainer = SFTTrainer(model=model, args=SFTConfig(**common(tmp_path)), train_dataset=ds,
                          processing_class=tokenizer(), callbacks=[callback])  # fmt: skip
     trainer.train()
-    head = [c for c in rec.calls if c[0] in MATMULS and 128 in c[2]]
-    assert len(head) >= 3 * 2 and all(c[1][0] == torch.bfloat16 for c in head)  # forward and backward, 2 steps
+    head = rec.dtypes_where(MATMULS, lambda shapes: any(128 in s for s in shapes))
+    assert len(head) >= 3 * 2 and all(d[0] == torch.bfloat16 for d in head)  # forward and backward, 2 steps
     assert utils._ChunkedLogProbFunction.amp_planned
     real = utils._ChunkedLogProbFunction.wrapped
     ran, apply = [], real.apply
