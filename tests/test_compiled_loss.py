@@ -70,12 +70,18 @@ def test_compiled_loss_keeps_keyword_inputs_graph_breaks_and_module_pins():
         torch.optim.SGD(model.parameters(), lr=0.1),
         lm_loss,
         dtype="bf16",
-        compile_options={**INNER, "fp32_modules": [r"^body\.0$"]},
+        compile_options={"inner": recording_backend(rec := OpRecorder()), "fp32_modules": [r"^body\.0$"]},
     )
     ids = torch.randint(0, 64, (2, 8))
     step(ids, ids)
     linears = {n.module: n.precision for n in step.backend.plan().nodes if "linear" in n.op}
     assert linears == {"body.0": "FP32", "head": "LOW"}
+    # what ran: body.0's GEMMs (16 x 16 weight) in FP32, the head's (64 wide) in BF16
+    gemms = (torch.ops.aten.addmm, torch.ops.aten.mm)
+    body = rec.dtypes_where(gemms, lambda shapes: not any(64 in s for s in shapes))
+    head = rec.dtypes_where(gemms, lambda shapes: any(64 in s for s in shapes))
+    assert len(body) >= 2 and all(set(d) == {torch.float32} for d in body), body
+    assert len(head) == 3 and all(d[-2:] == [torch.bfloat16] * 2 for d in head), head  # the operands
 
 
 def _sequence_logp(logits, ids):

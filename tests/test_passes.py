@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_near
+from helpers import OpRecorder, assert_near
 
 from amp_compiler import AmpBackend, AmpPolicyError, AmpVerifyError, Precision
 from amp_compiler.meta import info
@@ -198,6 +198,9 @@ def test_unknown_op_fp32_and_reported():
     (j0,) = nodes_of(gm, aten.special_bessel_j0)
     assert info(j0).precision is Precision.FP32 and "unknown" in info(j0).reason
     assert backend.plan().summary()["unknown_ops"] == {"aten.special_bessel_j0.default": 1}
+    with OpRecorder() as rec:  # what runs: the product in BF16, the unknown op on FP32
+        gm(x, w)
+    assert rec.dtypes_of(aten.mm) == [[bf16, bf16]] and rec.dtypes_of(aten.special_bessel_j0) == [[torch.float32]]
 
 
 def test_strict_unknown_op_raises_naming_it():
