@@ -12,7 +12,7 @@ from .distributed import PrecisionMismatchError
 from .ds_config import AmpConfig, AmpConfigError
 from .explain import explain
 from .monitor import AlertEvent, NonFiniteMonitor
-from .onnx_export import ExportError, ExportReport, compile_openvino, export_onnx
+from .onnx_export import ExportError, ExportReport, compile_openvino, export_decoder, export_onnx
 from .options import AmpOptions, AmpOptionsError
 from .passes import AmpVerifyError
 from .plan import GraphPlan, NodePlan, PrecisionPlan
@@ -31,6 +31,7 @@ __all__ = [
     "ExportError",
     "ExportReport",
     "export_onnx",
+    "export_decoder",
     "compile_openvino",
     "AmpOptions",
     "AmpOptionsError",

@@ -10,17 +10,21 @@ when export and checks succeeded, so a failure leaves nothing behind.
 Modules: ``program`` (the planned torch.export program), ``export`` (writing and moving
 into place), ``structure`` and ``parity`` (the checks), ``emulation`` (BF16 rounded
 through Cast pairs, for ORT's CPU provider), ``coverage`` (ORT's kernels per provider),
-``openvino`` (serving on OpenVINO Runtime, the executed precision per node).
+``openvino`` (serving on OpenVINO Runtime, the executed precision per node), ``generation``
+(decoders with their KV cache, served token by token).
 """
 
 from .base import EXPORT_DTYPES, TARGETS, ExportError
 from .emulation import emulate_low
 from .export import ExportReport, export_onnx
+from .generation import Decoder, DecoderReport, export_decoder
 from .openvino import compile_openvino, native_bf16, run_openvino
 from .parity import check_parity
 from .structure import check_structure
 
 __all__ = [
+    "Decoder",
+    "DecoderReport",
     "EXPORT_DTYPES",
     "TARGETS",
     "ExportError",
@@ -29,6 +33,7 @@ __all__ = [
     "check_structure",
     "compile_openvino",
     "emulate_low",
+    "export_decoder",
     "export_onnx",
     "native_bf16",
     "run_openvino",

@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,42 @@ def export_onnx(
     Inputs and outputs stay FP32 unless ``low_precision_io``. ``check`` runs the
     structure check, onnx.checker (full) and a numeric parity check.
     """
+    return export_checked(
+        model,
+        args,
+        path,
+        kwargs=kwargs,
+        dtype=dtype,
+        target=target,
+        dynamic_shapes=dynamic_shapes,
+        opset=opset,
+        check=check,
+        low_precision_io=low_precision_io,
+        options=options,
+        tolerance=tolerance,
+    )
+
+
+def export_checked(
+    model: torch.nn.Module,
+    args: tuple,
+    path: str,
+    *,
+    kwargs: dict | None,
+    dtype: str,
+    target: str,
+    dynamic_shapes: Any,
+    opset: int | None,
+    check: bool,
+    low_precision_io: bool,
+    options: dict | None,
+    tolerance: float | None,
+    io_names: tuple[list[str], list[str]] | None = None,
+    more_checks: Callable[[str, ExportReport], None] | None = None,
+) -> ExportReport:
+    """``export_onnx``, with the graph's inputs and outputs named ``io_names`` (ONNX's names
+    for the flattened inputs, outputs) and ``more_checks(file, report)`` run on the written
+    file before it is moved into place (raising ExportError keeps it out)."""
     _validate(dtype, target)
     if target == "openvino" and dtype == "bf16" and check:
         refuse_without_native_bf16(doing="check a BF16 export for OpenVINO")
@@ -134,6 +171,7 @@ def export_onnx(
                 opset,
                 dynamic_shapes,
                 _library_translations(model),
+                io_names,
             )
             report = ExportReport(
                 path,
@@ -149,7 +187,10 @@ def export_onnx(
                 report.settings_path = write_settings(tmp_path)
             if check:
                 report.structure = check_structure(tmp_path, dtype, target, plan)
-                report.parity = check_parity(tmp_path, ep, args, kwargs, reference, dtype, target, tolerance)
+                names = io_names[0] if io_names else None
+                report.parity = check_parity(tmp_path, ep, args, kwargs, reference, dtype, target, tolerance, names)
+                if more_checks is not None:
+                    more_checks(tmp_path, report)
             report.data_path = _move_into_place(tmp, path)
             if report.settings_path:
                 report.settings_path = openvino_settings(path)
@@ -212,7 +253,7 @@ def _library_translations(model: torch.nn.Module) -> dict:
     return {op: fn for op, fn in table.items() if getattr(op, "namespace", "aten") not in ("aten", "prims")}
 
 
-def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=None) -> None:
+def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=None, io_names=None) -> None:
     try:
         # optimize=False: the exporter's BatchNorm folding can write FP32 weights into a BF16 Conv.
         # Its progress lines go to stdout; keep them out of ours.
@@ -234,6 +275,8 @@ def _onnx_export(ep, args, kwargs, path, opset, dynamic_shapes, translations=Non
                 external_data=True,
                 verbose=False,
                 custom_translation_table=translations or None,
+                input_names=io_names[0] if io_names else None,
+                output_names=io_names[1] if io_names else None,
             )
     except Exception as e:
         missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", str(e))

@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from .base import ExportError
 from .kernels import value_types
 from .structure import FP32_ONNX_OPS, LOW_ONNX_OPS
@@ -185,3 +187,46 @@ def run_openvino(compiled, feeds: dict) -> list:
     names = {name for port in compiled.inputs for name in port.get_names()}
     result = compiled.create_infer_request().infer({k: v for k, v in feeds.items() if k in names})
     return [result[port] for port in compiled.outputs]
+
+
+def stateful_model(path: str, layout):
+    """An exported decoder (``generation.export_decoder``) as a stateful OpenVINO model: the
+    cache held inside it (OpenVINO's MakeStateful pairs each ``past_key_values.*`` input with
+    its ``present.*`` output), reordered along the batch by an int32 ``beam_idx`` input (beam
+    search keeps the beams' caches), starting empty for the batch ``input_ids`` brings."""
+    from openvino import opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    model = _core().read_model(path)
+    beam_idx = ops.parameter([-1], np.int32, name="beam_idx")
+    beam_idx.output(0).set_names({"beam_idx"})
+    for name in layout.past_names:
+        cache = model.input(name)
+        readers = list(cache.get_target_inputs())
+        reordered = ops.gather(cache, beam_idx, ops.constant(0))
+        for reader in readers:
+            reader.replace_source_output(reordered.output(0))
+    model.add_parameters([beam_idx])
+    apply_make_stateful_transformation(model, dict(zip(layout.past_names, layout.present_names)))
+    # each state starts as [batch of input_ids, heads, 0, head_dim] zeros
+    batch = ops.gather(ops.shape_of(model.input("input_ids"), output_type="i64"), ops.constant([0]), ops.constant(0))
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            dims = [ops.constant(np.array([d], np.int64)) for d in (layout.kv_heads, 0, layout.head_dim)]
+            shape = ops.concat([batch, *dims], axis=0)
+            op.set_arguments([ops.broadcast(ops.constant(0.0, dtype=op.get_output_element_type(0)), shape)])
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+def compile_stateful(path: str, layout, *, threads: int | None = None):
+    """``stateful_model`` compiled for this CPU with the settings beside the file."""
+    import onnx
+
+    nodes = _low_onnx_nodes(onnx.load(path, load_external_data=False))
+    if nodes[0]:
+        refuse_without_native_bf16()
+    config = _settings_for(path)
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return _core().compile_model(stateful_model(path, layout), "CPU", config)

@@ -24,10 +24,11 @@ from .structure import LOW_ONNX_OPS
 log = logging.getLogger("amp_compiler")
 
 
-def _flat_user_inputs(ep, args, kwargs) -> dict[str, torch.Tensor]:
-    """ONNX input name -> tensor, in the exported program's input order."""
+def _flat_user_inputs(ep, args, kwargs, names=None) -> dict[str, torch.Tensor]:
+    """ONNX input name -> tensor, in the exported program's input order (``names``: the
+    names the export gave the inputs, where it named them)."""
     flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    user = names or [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     return dict(zip(user, flat))
 
 
@@ -126,7 +127,7 @@ def _max_err(got: list, want: list) -> tuple[float, float]:
     return abs_err, rel_err
 
 
-def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=None) -> dict:
+def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=None, names=None) -> dict:
     """Run the export and compare with PyTorch in FP32 and with the amp plan in PyTorch.
 
     For OpenVINO: the real graph on its CPU plugin (``_openvino_parity``). On a CUDA machine
@@ -134,7 +135,7 @@ def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=Non
     Otherwise, for BF16: the emulated copy on ORT CPU (``emulate_low``), plus a negative
     control showing the rounding is real.
     """
-    feeds = _flat_user_inputs(ep, args, kwargs)
+    feeds = _flat_user_inputs(ep, args, kwargs, names)
     want = [t for t in pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
     with torch.no_grad():
         amp_out = [t.float() for t in pytree.tree_leaves(ep.module()(*args, **kwargs)) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,315 @@
+"""Decoders exported for generation: the KV cache as the graph's inputs and outputs.
+
+One graph serves the prompt (an empty cache in, the prompt's keys and values out) and every
+later token (the cache so far in, one token's longer cache out), with the names the
+ecosystem uses (``input_ids``, ``attention_mask``, ``position_ids``,
+``past_key_values.{i}.key/value`` in; ``logits``, ``present.{i}.key/value`` out) and
+batch, prompt and cache lengths dynamic. On OpenVINO the cache can live inside the compiled
+model (``stateful=True``: OpenVINO's MakeStateful, with a ``beam_idx`` input that reorders
+it, as optimum-intel serves decoders).
+
+The export is checked by generating: greedy tokens from the file against PyTorch's FP32
+greedy tokens on the same prompts (left-padded batches included). An FP32 export must give
+the same tokens; a 16-bit one reports where it first leaves them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import ExportError
+from .export import ExportReport, export_checked
+
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where a decoder keeps its cache: ``layers`` pairs of [batch, kv_heads, length, head_dim]."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def past_names(self) -> list[str]:
+        return [f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [f"present.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+
+    def empty(self, batch: int, length: int = 0) -> list[np.ndarray]:
+        return [np.zeros((batch, self.kv_heads, length, self.head_dim), np.float32) for _ in self.past_names]
+
+
+class CachedDecoder(torch.nn.Module):
+    """A causal LM's forward over a cache given as tensors: (input_ids, attention_mask,
+    position_ids, [(key, value) per layer]) -> (logits, [(key, value) per layer])."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.train(model.training)  # export restores the wrapper's mode, which is the model's
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.25 names the argument ``cache``; 5.0 ``past_key_values``
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=[tuple(kv) for kv in past], config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self.cache_arg: cache},
+        )
+        return out.logits, [(layer.keys, layer.values) for layer in _cache_of(out).layers]
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def cache_layout(model: torch.nn.Module) -> CacheLayout:
+    """The cache's shape, read from one forward of one token (every family lays it out alike)."""
+    try:
+        with torch.no_grad():
+            out = CachedDecoder(model)(
+                torch.zeros(1, 1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.long),
+                torch.zeros(1, 1, dtype=torch.long),
+                [],
+            )
+    except Exception as e:
+        raise ExportError(
+            f"{type(model).__name__} does not run as a decoder with a transformers cache "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); export_decoder takes a "
+            "transformers causal LM (AutoModelForCausalLM); export other models with export_onnx"
+        ) from e
+    layers = out[1]
+    if not layers or any(k.dim() != 4 for kv in layers for k in kv):
+        raise ExportError(f"{type(model).__name__}'s cache is not [batch, heads, length, head_dim] per layer")
+    _, heads, _, dim = layers[0][0].shape
+    return CacheLayout(len(layers), heads, dim)
+
+
+def positions(attention_mask: np.ndarray) -> np.ndarray:
+    """Position of each token, counted over the unmasked ones (left padding gets 1, as
+    transformers' generate() gives it; it is masked out anyway)."""
+    pos = np.cumsum(attention_mask, axis=-1) - 1
+    return np.where(attention_mask == 0, 1, pos).astype(np.int64)
+
+
+def torch_greedy(model: torch.nn.Module, input_ids, attention_mask, new_tokens: int) -> np.ndarray:
+    """PyTorch's greedy continuation, through the same cached forward the export traces."""
+    step = CachedDecoder(model).eval()
+    ids, mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
+    past, out = [], []
+    with torch.no_grad():
+        feed = ids
+        for _ in range(new_tokens):
+            pos = torch.as_tensor(positions(mask.numpy()))[:, -feed.shape[1] :]
+            logits, past = step(feed, mask, pos, past)
+            feed = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(feed)
+            mask = torch.cat([mask, torch.ones_like(feed)], 1)
+    return torch.cat(out, 1).numpy()
+
+
+def example_prompts(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Two prompts of different lengths, the shorter left-padded: the batch a server sees."""
+    g = np.random.default_rng(seed)
+    ids = g.integers(0, vocab, (2, 12), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :5] = 0  # the second prompt is 7 tokens long
+    ids[1, :5] = 0
+    return ids, mask
+
+
+@dataclass
+class DecoderReport(ExportReport):
+    layout: CacheLayout | None = None
+    generation: dict[str, Any] = field(default_factory=dict)
+
+    def format(self) -> str:
+        lines = [super().format()]
+        if self.layout:
+            lines.append(
+                f"  cache: {self.layout.layers} layers x (key, value), {self.layout.kv_heads} heads x "
+                f"{self.layout.head_dim}; inputs {', '.join(INPUTS)}, past_key_values.*; outputs logits, present.*"
+            )
+        if self.generation:
+            lines.append("  generation: " + ", ".join(f"{k} {v}" for k, v in self.generation.items()))
+        return "\n".join(lines)
+
+
+def export_decoder(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    dtype: str = "bf16",
+    target: str = "openvino",
+    check: bool = True,
+    new_tokens: int = 32,
+    prompts: tuple | None = None,
+    opset: int | None = None,
+    options: dict | None = None,
+) -> DecoderReport:
+    """Export a transformers causal LM for generation, from the amp plan (module docstring).
+
+    dtype, target, opset, options: as ``export_onnx``. ``check`` also generates
+    ``new_tokens`` greedy tokens for ``prompts`` ((input_ids, attention_mask), numpy or
+    tensors; default: two random prompts, one left-padded) on the target's runtime (OpenVINO,
+    or ONNX Runtime's CPU provider for target "cpu") and compares them with PyTorch's FP32
+    tokens: an FP32 export must match them; a 16-bit one reports the first divergent token
+    and the share of tokens that differ.
+    """
+    layout = cache_layout(model)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    b, past_len, t = 2, 3, 4  # no size 0 or 1 to trace with: each stays dynamic
+    g = torch.Generator().manual_seed(0)
+    shape = (b, layout.kv_heads, past_len, layout.head_dim)
+    past = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(layout.layers)]
+    mask = torch.ones(b, past_len + t, dtype=torch.long)
+    args = (
+        torch.randint(0, vocab, (b, t), generator=g),
+        mask,
+        torch.arange(past_len, past_len + t).expand(b, t).contiguous(),
+        past,
+    )
+    auto = torch.export.Dim.AUTO
+    dynamic = {
+        "input_ids": {0: auto, 1: auto},
+        "attention_mask": {0: auto, 1: auto},
+        "position_ids": {0: auto, 1: auto},
+        "past": [({0: auto, 2: auto}, {0: auto, 2: auto})] * layout.layers,
+    }
+    ids, prompt_mask = (np.asarray(p) for p in prompts) if prompts is not None else example_prompts(vocab)
+
+    def generates(file: str, report: ExportReport) -> None:
+        want = torch_greedy(model, ids, prompt_mask, new_tokens)
+        runner = Decoder(file, runtime="ort" if target == "cpu" else "openvino", layout=layout)
+        got = runner.generate(ids, prompt_mask, new_tokens)
+        report.generation = compare_tokens(got, want)
+        if dtype == "fp32" and report.generation["tokens_differing"]:
+            raise ExportError(
+                f"the FP32 export's greedy tokens leave PyTorch's at token {report.generation['first_divergent']} "
+                f"({report.generation['tokens_differing']} of {want.size} differ): the graph is not the model's"
+            )
+
+    report = export_checked(
+        CachedDecoder(model),
+        args,
+        path,
+        kwargs=None,
+        dtype=dtype,
+        target=target,
+        dynamic_shapes=dynamic,
+        opset=opset,
+        check=check,
+        low_precision_io=False,
+        options=options,
+        tolerance=None,
+        io_names=([*INPUTS, *layout.past_names], ["logits", *layout.present_names]),
+        more_checks=generates if check else None,
+    )
+    return DecoderReport(**vars(report), layout=layout)
+
+
+def compare_tokens(got: np.ndarray, want: np.ndarray) -> dict[str, Any]:
+    """Where generated tokens leave the reference's: per prompt, the first index that differs
+    (tokens after it follow a different text, so only the first one is comparable)."""
+    firsts = [int(np.argmax(g != w)) if (g != w).any() else None for g, w in zip(got, want)]
+    differing = [f for f in firsts if f is not None]
+    return {
+        "prompts": len(want),
+        "new_tokens": want.shape[1],
+        "first_divergent": min(differing) if differing else None,  # 0-based, over all prompts
+        "prompts_identical": firsts.count(None),
+        "tokens_differing": int((got != want).sum()),
+    }
+
+
+class Decoder:
+    """Greedy generation from an exported decoder with numpy and the runtime alone.
+
+    runtime "openvino" (``stateful=True``: the cache inside the compiled model) or "ort"
+    (ONNX Runtime's CPU provider, the cache passed in and out).
+    """
+
+    def __init__(self, path: str, *, runtime: str = "openvino", stateful: bool = True, layout=None, threads=None):
+        import onnx
+
+        self.runtime, self.stateful = runtime, stateful and runtime == "openvino"
+        if layout is None:
+            layout = _layout_of(onnx.load(path, load_external_data=False))
+        self.layout = layout
+        if runtime == "ort":
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            if threads:
+                so.intra_op_num_threads = threads
+            self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        elif runtime == "openvino":
+            from .openvino import compile_openvino, compile_stateful
+
+            if self.stateful:
+                self.compiled = compile_stateful(path, layout, threads=threads)
+            else:
+                self.compiled, _ = compile_openvino(path, threads=threads, check=False)
+            self.request = self.compiled.create_infer_request()
+        else:
+            raise ValueError(f"runtime={runtime!r} is not valid; use 'openvino' or 'ort'")
+
+    def step(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One forward: logits and the new cache (the runtime's own cache when stateful)."""
+        if self.runtime == "ort":
+            out = self.session.run(None, {**feeds, **dict(zip(self.layout.past_names, past))})
+            return out[0], out[1:]
+        if self.stateful:
+            batch = feeds["input_ids"].shape[0]
+            result = self.request.infer({**feeds, "beam_idx": np.arange(batch, dtype=np.int32)})
+            return result[self.compiled.output("logits")], past
+        result = self.request.infer({**feeds, **dict(zip(self.layout.past_names, past))})
+        # copies: the request writes its next outputs where these are, while reading them as inputs
+        outs = [result[port].copy() for port in self.compiled.outputs]
+        return outs[0], outs[1:]
+
+    def generate(self, input_ids, attention_mask=None, new_tokens: int = 32, eos_token_id=None) -> np.ndarray:
+        """``new_tokens`` greedy tokens after each prompt (rows of ``input_ids``, left-padded
+        where ``attention_mask`` says); a row that produced ``eos_token_id`` continues with it."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+        if self.stateful:
+            self.request.reset_state()
+        past, feed, out = self.layout.empty(len(ids)), ids, []
+        done = np.zeros(len(ids), bool)
+        for _ in range(new_tokens):
+            pos = positions(mask)[:, -feed.shape[1] :]
+            logits, past = self.step({"input_ids": feed, "attention_mask": mask, "position_ids": pos}, past)
+            feed = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
+            if eos_token_id is not None:
+                feed[done] = eos_token_id
+                done |= feed[:, 0] == eos_token_id
+            out.append(feed)
+            mask = np.concatenate([mask, np.ones_like(feed)], 1)
+        return np.concatenate(out, 1)
+
+
+def _layout_of(model) -> CacheLayout:
+    """The cache layout an exported decoder's inputs declare."""
+    past = [i for i in model.graph.input if i.name.startswith("past_key_values.")]
+    if not past:
+        raise ExportError("not a decoder exported for generation: no past_key_values.* inputs (use export_decoder)")
+    dims = past[0].type.tensor_type.shape.dim
+    return CacheLayout(len(past) // 2, dims[1].dim_value, dims[3].dim_value)

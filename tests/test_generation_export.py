@@ -1,0 +1,199 @@
+"""Decoders exported for generation: the KV cache in and out, tokens against transformers'
+own generate(), the stateful OpenVINO form, BF16 executed as planned."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_gpt2, tiny_llama
+
+from amp_compiler import ExportError, export_decoder
+from amp_compiler.onnx_export import openvino as ov_serving
+from amp_compiler.onnx_export.generation import Decoder, example_prompts
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+ov = pytest.importorskip("openvino")
+
+NATIVE = ov_serving.native_bf16()
+native_only = pytest.mark.skipif(
+    not NATIVE, reason="this CPU has no native BF16: OpenVINO would run a BF16 export in FP32 (refusal tested)"
+)
+NEW = 24
+
+
+def _qwen2():
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _mistral():
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=None,
+    )  # fmt: skip
+    return transformers.MistralForCausalLM(config)
+
+
+FAMILIES = {
+    "gpt2": lambda: tiny_gpt2(seed=0, n_positions=64, vocab_size=100).eval(),
+    "llama": lambda: tiny_llama(seed=0).eval(),
+    "qwen2": lambda: _qwen2().eval(),
+    "mistral": lambda: _mistral().eval(),
+}
+
+
+def hf_greedy(model, ids, mask, new=NEW) -> np.ndarray:
+    """transformers' own generate(), each prompt alone without its padding: the oracle a
+    left-padded batch from the export is held against."""
+    # no end-of-sequence token: the config's id is a token the graph may rightly pick
+    config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    rows = []
+    try:
+        for row, keep in zip(ids, mask.astype(bool)):
+            with torch.no_grad():
+                out = model.generate(input_ids=torch.as_tensor(row[keep][None]), generation_config=config)
+            assert out.shape[1] == keep.sum() + new
+            rows.append(out[0, keep.sum() :].numpy())
+    finally:
+        model.generation_config.eos_token_id = saved
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fp32_export_generates_transformers_tokens(family, tmp_path):
+    """Prompt and every later token through one graph with the cache in and out, on ONNX
+    Runtime's CPU provider: the same greedy tokens as transformers' generate(), a left-padded
+    prompt in the batch."""
+    model = FAMILIES[family]()
+    path = str(tmp_path / "decoder.onnx")
+    report = export_decoder(model, path, dtype="fp32", target="cpu", new_tokens=NEW)
+    assert report.generation["tokens_differing"] == 0 and report.generation["first_divergent"] is None
+    assert not model.training  # the model comes back in the mode it was given
+
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    layers = model.config.num_hidden_layers
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")
+    ]
+    assert [o.name for o in graph.output] == ["logits"] + [
+        f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")
+    ]
+    ids, mask = example_prompts(100, seed=3)  # prompts the export's own check did not see
+    assert (mask == 0).any()
+    got = Decoder(path, runtime="ort").generate(ids, mask, NEW)
+    np.testing.assert_array_equal(got, hf_greedy(model, ids, mask))
+
+
+def test_cache_lengths_and_batch_are_dynamic(tmp_path):
+    """One graph: an empty cache and a prompt of 9, then single tokens, at batch 1 and 3;
+    each step's cache one token longer, logits equal to the model's."""
+    import onnxruntime as ort
+
+    model = tiny_llama(seed=0).eval()
+    path = str(tmp_path / "d.onnx")
+    report = export_decoder(model, path, dtype="fp32", target="cpu", new_tokens=4)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    layout = report.layout
+    for batch in (1, 3):
+        ids = np.random.default_rng(batch).integers(0, 100, (batch, 9))
+        mask, past = np.ones_like(ids), layout.empty(batch)
+        for step in range(3):
+            feed = ids if step == 0 else ids[:, -1:]
+            pos = np.arange(mask.shape[1] - feed.shape[1], mask.shape[1])[None].repeat(batch, 0)
+            logits, *past = session.run(
+                None,
+                {"input_ids": feed, "attention_mask": mask, "position_ids": pos, **dict(zip(layout.past_names, past))},
+            )
+            assert [p.shape[2] for p in past] == [mask.shape[1]] * len(past)
+            with torch.no_grad():
+                want = model(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits[:, -feed.shape[1] :]
+            np.testing.assert_allclose(logits, want.numpy(), atol=1e-5, rtol=1e-4)
+            ids = np.concatenate([ids, logits[:, -1:].argmax(-1)], 1)
+            mask = np.ones_like(ids)
+
+
+def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path):
+    """OpenVINO's stateful form: no cache inputs or outputs, a beam_idx input; its tokens are
+    the cache-passing form's, and beam_idx moves a row's cache to another row."""
+    from amp_compiler.onnx_export.openvino import compile_stateful, stateful_model
+
+    model = FAMILIES["llama"]()
+    path = str(tmp_path / "d.onnx")
+    report = export_decoder(model, path, dtype="fp32", target="openvino", new_tokens=NEW)
+    stateful = stateful_model(path, report.layout)
+    assert sorted(n for i in stateful.inputs for n in i.get_names()) == sorted(
+        ["input_ids", "attention_mask", "position_ids", "beam_idx"]
+    )
+    assert [n for o in stateful.outputs for n in o.get_names()] == ["logits"]
+    assert len(stateful.get_sinks()) == 2 * report.layout.layers  # one Assign per cache tensor
+
+    ids, mask = example_prompts(100, seed=5)
+    kept = Decoder(path, runtime="openvino", stateful=True).generate(ids, mask, NEW)
+    passed = Decoder(path, runtime="openvino", stateful=False).generate(ids, mask, NEW)
+    np.testing.assert_array_equal(kept, passed)
+    np.testing.assert_array_equal(kept, hf_greedy(model, ids, mask))
+
+    # the prompt of row 1 continued from row 0's place once its cache is moved there
+    request = compile_stateful(path, report.layout).create_infer_request()
+    full = np.ones_like(ids)
+    prompt = {"input_ids": ids, "attention_mask": full, "position_ids": np.arange(12)[None].repeat(2, 0)}
+    first = request.infer({**prompt, "beam_idx": np.arange(2, dtype=np.int32)})["logits"]
+    token = first[:, -1].argmax(-1)[:, None]
+    nxt = {"attention_mask": np.ones((2, 13), np.int64), "position_ids": np.full((2, 1), 12)}
+    swapped = request.infer({**nxt, "input_ids": token[[1, 1]], "beam_idx": np.array([1, 1], np.int32)})["logits"]
+    with torch.no_grad():
+        want = model(torch.as_tensor(np.concatenate([ids, token], 1)[[1, 1]])).logits[:, -1]
+    np.testing.assert_allclose(swapped[:, -1], want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@native_only
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
+    """BF16 from the plan on OpenVINO: matmuls ran in BF16, norms and softmax in FP32 (read
+    back from the compiled model), the cache kept by OpenVINO; where its tokens first leave
+    FP32's is reported, and an FP32 control run of the same graph differs."""
+    model = FAMILIES[family]()
+    report = export_decoder(model, str(tmp_path / "d.onnx"), new_tokens=NEW)
+    p, g = report.parity, report.generation
+    assert p["executed_low_nodes_16bit"] > 0 and p["negative_control_diff"] > 0
+    assert "Softmax f32" in p["executed_layers"] and "bf16" in p["executed_layers"]
+    assert "Softmax bf16" not in p["executed_layers"] and "MVN bf16" not in p["executed_layers"]
+    assert g["prompts"] == 2 and g["new_tokens"] == NEW
+    assert g["first_divergent"] is None or 0 <= g["first_divergent"] < NEW
+    assert "generation: prompts 2" in report.format()
+
+
+def test_a_model_without_a_cache_is_refused_with_what_to_use(tmp_path):
+    with pytest.raises(ExportError, match="export_decoder takes a transformers causal LM.*export_onnx"):
+        export_decoder(torch.nn.Linear(4, 4), str(tmp_path / "d.onnx"), dtype="fp32", target="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp32_tokens_that_differ_fail_the_export_and_leave_nothing(tmp_path, monkeypatch):
+    """The generation check is a check: tokens that leave the reference's keep the file out."""
+    from amp_compiler.onnx_export import generation
+
+    real = generation.torch_greedy
+    monkeypatch.setattr(generation, "torch_greedy", lambda *a: (real(*a) + 1) % 100)
+    with pytest.raises(ExportError, match="greedy tokens leave PyTorch's at token 0"):
+        export_decoder(tiny_llama(seed=0).eval(), str(tmp_path / "d.onnx"), dtype="fp32", target="cpu", new_tokens=4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_decoder_is_refused_without_native_bf16(tmp_path, monkeypatch):
+    if NATIVE:
+        monkeypatch.setattr(ov_serving, "native_bf16", lambda core=None: False)
+    with pytest.raises(ExportError, match="no native BF16"):
+        export_decoder(tiny_llama(seed=0).eval(), str(tmp_path / "d.onnx"))
+    assert list(tmp_path.iterdir()) == []
