@@ -6,6 +6,7 @@
     amp-compiler doctor pkg.module:factory [--policy-file amp-policy.json]
     amp-compiler calibrate pkg.module:factory -o amp-policy.json [--budget 1e-2]
     amp-compiler export pkg.module:factory -o model.onnx [--dtype bf16] [--target cuda]
+    amp-compiler export pkg.module:factory -o decoder.onnx --task text-generation --target openvino
     amp-compiler demo
     amp-compiler env
 
@@ -187,7 +188,9 @@ def cmd_export(args) -> int:
 
     if not args.output.endswith(".onnx"):
         raise CliError(f"-o {args.output!r}: the output file must end in .onnx")
-    model, margs, mkwargs = load_model(args.target, args.input)
+    model, margs, mkwargs = load_model(args.target, args.input, need_inputs=args.task == "forward")
+    if args.task == "text-generation":
+        return _export_decoder(model, args)
     dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
     try:
         report = export_onnx(
@@ -204,6 +207,33 @@ def cmd_export(args) -> int:
             options=_options(args),
         )
     except ValueError as e:  # a refused dtype/target combination
+        raise CliError(str(e)) from None
+    except ExportError as e:
+        sys.stderr.write(f"amp-compiler: export failed, nothing written: {e}\n")
+        return 1
+    print(report.format())
+    return 0
+
+
+def _export_decoder(model, args) -> int:
+    """--task text-generation: the model's own inputs are not used; the cache's are made."""
+    from .onnx_export import ExportError, export_decoder
+
+    if args.dynamic or args.low_precision_io:
+        raise CliError(
+            "--task text-generation makes batch and lengths dynamic itself; drop --dynamic/--low-precision-io"
+        )
+    try:
+        report = export_decoder(
+            model,
+            args.output,
+            dtype=args.dtype,
+            target=args.target_ep,
+            check=not args.no_check,
+            opset=args.opset,
+            options=_options(args),
+        )
+    except ValueError as e:
         raise CliError(str(e)) from None
     except ExportError as e:
         sys.stderr.write(f"amp-compiler: export failed, nothing written: {e}\n")
@@ -365,6 +395,13 @@ def _add_export(sub) -> None:
     )
     p.add_argument(
         "--dynamic", action="append", metavar="AXIS:NAME", help="dynamic axis of every input, e.g. 0:batch (repeatable)"
+    )
+    p.add_argument(
+        "--task",
+        choices=["forward", "text-generation"],
+        default="forward",
+        help="forward: one call of the model as given; text-generation: a transformers causal LM "
+        "with its KV cache as inputs and outputs (past_key_values.*/present.*), checked by generating",
     )
     p.add_argument("--opset", type=int, default=None)
     p.add_argument("--low-precision-io", action="store_true", help="keep inputs/outputs in 16 bit")

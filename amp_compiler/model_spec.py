@@ -77,8 +77,11 @@ def parse_input(spec: str) -> torch.Tensor:
     return torch.randint(low, high, shape, dtype=dtype)
 
 
-def load_model(spec: str, inputs: list[str] | None = None) -> tuple[torch.nn.Module, tuple, dict]:
-    """(model, args, kwargs) from a factory returning a model or (model, example_inputs)."""
+def load_model(
+    spec: str, inputs: list[str] | None = None, need_inputs: bool = True
+) -> tuple[torch.nn.Module, tuple, dict]:
+    """(model, args, kwargs) from a factory returning a model or (model, example_inputs);
+    without ``need_inputs`` a model alone gives no args."""
     torch.manual_seed(0)
     factory = load_factory(spec)
     try:
@@ -94,6 +97,8 @@ def load_model(spec: str, inputs: list[str] | None = None) -> tuple[torch.nn.Mod
         )
     if inputs:
         example = tuple(parse_input(s) for s in inputs)
+    if example is None and not need_inputs:
+        return model, (), {}
     if example is None:
         raise ModelSpecError(
             f"factory {spec!r} returned no example inputs; give them with "

@@ -63,6 +63,9 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, inductor_recorded):
         executed = namespace["executed"]
         assert executed["low_nodes_16bit"] > 0, executed
         assert executed["low_nodes_16bit"] + executed["low_nodes_unnamed"] == executed["low_nodes"], executed
+        decoder = namespace["report"]  # the decoder's export: BF16 ran, tokens were compared
+        assert decoder.layout and decoder.parity["executed_low_nodes_16bit"] > 0, decoder.parity
+        assert decoder.generation["new_tokens"] == 32 and namespace["tokens"].shape == (2, 8)
     if page.name in EXECUTES:
         assert inductor_recorded.dtypes_of(EXECUTES[page.name]), f"{page.name}: {EXECUTES[page.name]} never ran"
 

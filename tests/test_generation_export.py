@@ -197,3 +197,22 @@ def test_bf16_decoder_is_refused_without_native_bf16(tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="no native BF16"):
         export_decoder(tiny_llama(seed=0).eval(), str(tmp_path / "d.onnx"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_exports_a_decoder_for_generation(tmp_path, capsys):
+    from pathlib import Path
+
+    from helpers import cli_here
+
+    target = str(Path(__file__).parent / "fixtures" / "models.py") + ":tiny_causal_lm"
+    out = str(tmp_path / "decoder.onnx")
+    code, stdout, err = cli_here(capsys, "export", target, "-o", out, "--task", "text-generation", "--dtype", "fp32",
+                                 "--target", "cpu")  # fmt: skip
+    assert code == 0, err
+    assert "past_key_values.*" in stdout and "tokens_differing 0" in stdout
+    ids, mask = example_prompts(100, seed=1)
+    model = FAMILIES["llama"]()  # the factory's model: the same seed and config
+    np.testing.assert_array_equal(Decoder(out, runtime="ort").generate(ids, mask, 8), hf_greedy(model, ids, mask, 8))
+
+    code, _, err = cli_here(capsys, "export", target, "-o", out, "--task", "text-generation", "--dynamic", "0:batch")
+    assert code == 2 and "makes batch and lengths dynamic itself" in err
