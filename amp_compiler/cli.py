@@ -184,56 +184,33 @@ def cmd_doctor(args) -> int:
 
 def cmd_export(args) -> int:
     from .model_spec import load_model
-    from .onnx_export import ExportError, export_onnx
+    from .onnx_export import ExportError, export_decoder, export_onnx
 
     if not args.output.endswith(".onnx"):
         raise CliError(f"-o {args.output!r}: the output file must end in .onnx")
     model, margs, mkwargs = load_model(args.target, args.input, need_inputs=args.task == "forward")
-    if args.task == "text-generation":
-        return _export_decoder(model, args)
-    dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
-    try:
-        report = export_onnx(
+    common = dict(dtype=args.dtype, target=args.target_ep, check=not args.no_check, opset=args.opset)
+    if args.task == "text-generation":  # the model's own inputs are not used; the cache's are made
+        if args.dynamic or args.low_precision_io:
+            raise CliError(
+                "--task text-generation makes batch and lengths dynamic itself; drop --dynamic/--low-precision-io"
+            )
+        export = lambda: export_decoder(model, args.output, **common, options=_options(args))  # noqa: E731
+    else:
+        dynamic = _dynamic_shapes(args.dynamic, margs, mkwargs) if args.dynamic else None
+        export = lambda: export_onnx(  # noqa: E731
             model,
             margs,
             args.output,
             kwargs=mkwargs,
-            dtype=args.dtype,
-            target=args.target_ep,
             dynamic_shapes=dynamic,
-            opset=args.opset,
-            check=not args.no_check,
             low_precision_io=args.low_precision_io,
             options=_options(args),
-        )
-    except ValueError as e:  # a refused dtype/target combination
-        raise CliError(str(e)) from None
-    except ExportError as e:
-        sys.stderr.write(f"amp-compiler: export failed, nothing written: {e}\n")
-        return 1
-    print(report.format())
-    return 0
-
-
-def _export_decoder(model, args) -> int:
-    """--task text-generation: the model's own inputs are not used; the cache's are made."""
-    from .onnx_export import ExportError, export_decoder
-
-    if args.dynamic or args.low_precision_io:
-        raise CliError(
-            "--task text-generation makes batch and lengths dynamic itself; drop --dynamic/--low-precision-io"
+            **common,
         )
     try:
-        report = export_decoder(
-            model,
-            args.output,
-            dtype=args.dtype,
-            target=args.target_ep,
-            check=not args.no_check,
-            opset=args.opset,
-            options=_options(args),
-        )
-    except ValueError as e:
+        report = export()
+    except ValueError as e:  # a refused dtype/target combination
         raise CliError(str(e)) from None
     except ExportError as e:
         sys.stderr.write(f"amp-compiler: export failed, nothing written: {e}\n")
