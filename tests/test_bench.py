@@ -232,6 +232,29 @@ def test_serve_bench_times_every_served_form_and_names_what_it_skipped(tmp_path,
     assert "| 2x16 | amp |" in capsys.readouterr().out
 
 
+def test_serve_bench_generation_mode_times_tokens_and_compares_them(tmp_path, capsys):
+    """--generate: every variant timed or skipped with the reason; the FP32 export's tokens
+    are eager FP32's (the comparison can say so), the BF16 ones are compared too."""
+    import serve_bench
+    from benchkit.generation import GEN_VARIANTS
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("openvino")
+    out = tmp_path / "gen.json"
+    argv = ["--generate", "--d", "64", "--layers", "1", "--vocab", "128", "--batches", "2", "--prompt-lengths", "8"]
+    assert serve_bench.main(argv + ["--new-tokens", "6", "--gen-reps", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    timed = set(result["cases"]["2x8"])
+    assert timed | set(result["skipped"]) == set(GEN_VARIANTS) and not timed & set(result["skipped"])
+    assert {"eager-fp32", "openvino-fp32"} <= timed
+    for k in timed:
+        r = result["cases"]["2x8"][k]
+        assert r["first_token_ms"] > 0 and r["per_token_ms"] > 0
+    assert result["cases"]["2x8"]["openvino-fp32"]["tokens_differing_vs_fp32"] == 0
+    assert result["cache_bytes_per_token"] == 2 * 1 * 1 * 32 * 4  # key and value, 1 layer, 1 KV head of 32, FP32
+    assert "| 2x8 | openvino-fp32 |" in capsys.readouterr().out
+
+
 def test_head_decoder_tool_runs_every_variant_and_the_fused_head_executes(capsys, tmp_path):
     import head_decoder
 

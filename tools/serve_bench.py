@@ -2,6 +2,7 @@
 
     python tools/serve_bench.py                        # GPT-2-style, 4 layers, d=512
     python tools/serve_bench.py --shapes 4x128 --reps 30 --json serve.json
+    python tools/serve_bench.py --generate --d 512 --layers 6   # generation (benchkit/generation.py)
 
 Variants (the same weights): eager FP32, Inductor + autocast BF16, amp
 (``torch.compile(backend="amp")``), our FP32 export on ONNX Runtime's CPU provider, our
@@ -185,23 +186,32 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--shapes", default="1x128,8x128,1x512,8x512,4x128", help="batch x sequence, comma-separated")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=None, help="comma-separated; default: every variant of the mode")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--generate", action="store_true", help="generation: first token and per-token latency, tokens vs FP32"
+    )
+    p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4])
+    p.add_argument("--prompt-lengths", type=lambda t: [int(x) for x in t.split(",")], default=[128, 512])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--gen-reps", type=int, default=3, help="generations per variant and case (medians)")
     p.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_of:  # before torch is imported: an export's process never loads it
         return _serve_once(args)
+    if args.generate:
+        return _generate(args)
     import torch
 
     torch.set_num_threads(args.threads)
     shapes = parse_shapes(args.shapes)
     # the compiled variants share the model's code: one Dynamo cache entry per shape each
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(shapes))
-    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    wanted = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
     bad = [v for v in wanted if v not in VARIANTS]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
@@ -249,6 +259,20 @@ def main(argv=None) -> int:
                 entry["peak_rss_bytes"] = peak_rss(k, artifacts[k], args, largest)
             results["variants"][k] = entry
     print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _generate(args) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchkit.generation import generation_table, run_generation
+
+    with tempfile.TemporaryDirectory() as folder:
+        results = {"machine": _machine(args.threads), **run_generation(args, folder)}
+    print(f"machine: {results['machine']}")
+    print(generation_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,0 +1,175 @@
+"""Generation side by side: time to first token, time per later token, tokens against FP32.
+
+``python tools/serve_bench.py --generate`` (see there). Variants, the same weights:
+  eager-fp32            transformers' generate(), greedy, eager PyTorch in FP32
+  openvino-fp32         our FP32 export, stateful OpenVINO, INFERENCE_PRECISION_HINT f32
+  openvino-own-bf16     our FP32 export, stateful OpenVINO, its default hint (bf16 on a CPU
+                        with native BF16: OpenVINO picks the precision of every op itself,
+                        as optimum-intel's default serving does)
+  openvino-amp-bf16     our BF16 export (the plan), stateful OpenVINO, hint f32
+Each OpenVINO variant is timed by the same loop (prefill, then one token at a time); the
+first token's time includes the prompt, each later token's is the median over the rest.
+Tokens are compared with eager FP32's: the first divergent token over the prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+GEN_VARIANTS = ("eager-fp32", "openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16")
+
+
+def llama_for(d: int, layers: int, vocab: int, seed: int = 0):
+    """A Llama-style decoder with grouped-query attention, its head scaled so the logits
+    spread as a trained model's (greedy picks then have margins: divergence means rounding
+    changed a real decision, not a near-tie of an untrained model)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    heads = max(d // 64, 2)
+    config = transformers.LlamaConfig(
+        hidden_size=d, intermediate_size=int(d * 8 / 3) // 64 * 64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), vocab_size=vocab,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logit std ~3 instead of ~0.1
+    return model
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.random.default_rng(seed + batch * 1000 + length).integers(0, vocab, (batch, length), dtype=np.int64)
+    return ids, np.ones_like(ids)
+
+
+def _ov_runner(path: str, layout, hint: str | None, threads: int):
+    """A stateful OpenVINO request for the export at ``path``; ``hint`` None: OpenVINO's default."""
+    from amp_compiler.onnx_export.openvino import _core, stateful_model
+
+    config = {"INFERENCE_NUM_THREADS": threads}
+    if hint:
+        config["INFERENCE_PRECISION_HINT"] = hint
+    compiled = _core().compile_model(stateful_model(path, layout), "CPU", config)
+    return compiled.create_infer_request()
+
+
+def _ov_generate(request, ids, mask, new_tokens: int) -> tuple[np.ndarray, float, list[float]]:
+    """(tokens, first token seconds, later tokens' seconds each)."""
+    from amp_compiler.onnx_export.generation import positions
+
+    request.reset_state()
+    beam = np.arange(len(ids), dtype=np.int32)
+    feed, out, times = ids, [], []
+    for _ in range(new_tokens):
+        t = time.perf_counter()
+        pos = positions(mask)[:, -feed.shape[1] :]
+        logits = request.infer({"input_ids": feed, "attention_mask": mask, "position_ids": pos, "beam_idx": beam})[
+            "logits"
+        ]
+        feed = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
+        times.append(time.perf_counter() - t)
+        out.append(feed)
+        mask = np.concatenate([mask, np.ones_like(feed)], 1)
+    return np.concatenate(out, 1), times[0], times[1:]
+
+
+def _eager_generate(model, ids, mask, new_tokens: int) -> tuple[np.ndarray, float, list[float]]:
+    """transformers' generate(); later tokens timed as (all - first) / (n - 1)."""
+    import torch
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    model.generation_config.eos_token_id = None
+    feeds = dict(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask))
+    with torch.no_grad():
+        t = time.perf_counter()
+        model.generate(**feeds, generation_config=transformers.GenerationConfig(max_new_tokens=1, do_sample=False))
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        out = model.generate(**feeds, generation_config=config)
+        total = time.perf_counter() - t
+    per = max(total - first, 0.0) / max(new_tokens - 1, 1)
+    return out[:, ids.shape[1] :].numpy(), first, [per] * (new_tokens - 1)
+
+
+def _first_divergent(got: np.ndarray, want: np.ndarray) -> int | None:
+    firsts = [int(np.argmax(g != w)) for g, w in zip(got, want) if (g != w).any()]
+    return min(firsts) if firsts else None
+
+
+def run_generation(args, folder: str) -> dict:
+    import torch
+
+    from amp_compiler.onnx_export import export_decoder, native_bf16
+
+    torch.set_num_threads(args.threads)
+    model = llama_for(args.d, args.layers, args.vocab)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(GEN_VARIANTS)
+    bad = [v for v in wanted if v not in GEN_VARIANTS]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(GEN_VARIANTS)}")
+    skipped = {}
+    if not native_bf16():
+        for v in ("openvino-own-bf16", "openvino-amp-bf16"):
+            if v in wanted:
+                skipped[v] = "no native BF16 on this CPU: OpenVINO would compute in FP32"
+    kinds = [v for v in wanted if v not in skipped]
+    fp32_path, bf16_path = f"{folder}/fp32.onnx", f"{folder}/bf16.onnx"
+    exports = {}
+    if {"openvino-fp32", "openvino-own-bf16"} & set(kinds):
+        exports["fp32"] = export_decoder(model, fp32_path, dtype="fp32", target="openvino", new_tokens=8)
+    if "openvino-amp-bf16" in kinds:
+        exports["bf16"] = export_decoder(model, bf16_path, dtype="bf16", target="openvino", new_tokens=8)
+    layout = next(iter(exports.values())).layout if exports else None
+    runners = {
+        "openvino-fp32": lambda: _ov_runner(fp32_path, layout, "f32", args.threads),
+        "openvino-own-bf16": lambda: _ov_runner(fp32_path, layout, None, args.threads),
+        "openvino-amp-bf16": lambda: _ov_runner(bf16_path, layout, "f32", args.threads),
+    }
+    requests = {k: runners[k]() for k in kinds if k in runners}
+    results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
+    results["cache_bytes_per_token"] = layout and 2 * layout.layers * layout.kv_heads * layout.head_dim * 4
+    cases = {}
+    for batch in args.batches:
+        for length in args.prompt_lengths:
+            ids, mask = _prompts(batch, length, args.vocab)
+            runs = {k: [] for k in kinds}
+            reference = _eager_generate(model, ids, mask, args.new_tokens)[0]
+            for _ in range(args.gen_reps):  # interleaved: drift lands on every variant
+                for k in kinds:
+                    if k == "eager-fp32":
+                        runs[k].append(_eager_generate(model, ids, mask, args.new_tokens))
+                    else:
+                        _ov_generate(requests[k], ids, mask, 2)  # the previous runtime's threads go idle
+                        runs[k].append(_ov_generate(requests[k], ids, mask, args.new_tokens))
+            cases[f"{batch}x{length}"] = {
+                k: {
+                    "first_token_ms": statistics.median(r[1] for r in rs) * 1e3,
+                    "per_token_ms": statistics.median(t for r in rs for t in r[2]) * 1e3,
+                    "first_divergent_vs_fp32": _first_divergent(rs[0][0], reference),
+                    "tokens_differing_vs_fp32": int((rs[0][0] != reference).sum()),
+                }
+                for k, rs in runs.items()
+            }
+    results["cases"] = cases
+    results["new_tokens"] = args.new_tokens
+    return results
+
+
+def generation_table(results: dict) -> str:
+    lines = [f"model: {results['model']}", f"cache: {results.get('cache_bytes_per_token')} bytes per token (FP32)"]
+    lines += [f"skipped {k}: {why}" for k, why in results["skipped"].items()]
+    lines += [
+        f"| batch x prompt | variant | first token ms | per token ms | first divergent of {results['new_tokens']} |",
+        "|---|---|---|---|---|",
+    ]
+    for case, by_kind in results["cases"].items():
+        for k, r in by_kind.items():
+            div = "-" if r["first_divergent_vs_fp32"] is None else r["first_divergent_vs_fp32"]
+            lines.append(f"| {case} | {k} | {r['first_token_ms']:.1f} | {r['per_token_ms']:.2f} | {div} |")
+    return "\n".join(lines)
