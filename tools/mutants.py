@@ -183,6 +183,22 @@ MUTANTS = (
         ("tests/test_loss_scaler.py", "tests/test_training.py"),
     ),
     Mutant(
+        "generation-unchecked",
+        "an exported decoder whose tokens leave PyTorch's FP32 tokens is not written",
+        "amp_compiler/onnx_export/generation.py",
+        'if dtype == "fp32" and report.generation["tokens_differing"]:',
+        "if False:",
+        ("tests/test_generation_export.py",),
+    ),
+    Mutant(
+        "beam-idx-ignored",
+        "beam_idx reorders the cache a stateful OpenVINO decoder holds",
+        "amp_compiler/onnx_export/openvino.py",
+        "            reader.replace_source_output(reordered.output(0))\n",
+        "            pass\n",
+        ("tests/test_generation_export.py",),
+    ),
+    Mutant(
         "export-fp32-weights",
         "the ONNX export stores 16-bit weights",
         "amp_compiler/onnx_export/program.py",
