@@ -71,6 +71,17 @@ def test_loss_scaler_min_max_bounds():
     assert run_scaler(shrink, ["inf"] * 6)[0][-1] == 8.0
 
 
+def test_loss_scaler_with_hysteresis_still_grows():
+    """hysteresis=2 takes its own update path: clean steps still double the scale every
+    growth_interval (GradScaler's trajectory), and an absorbed overflow restarts the count."""
+    s = LossScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=2)
+    clean = run_scaler(s, [False] * 4)[0]
+    assert clean == run_scaler(torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2), [False] * 4)[0]
+    assert clean == [64.0, 128.0, 128.0, 256.0]
+    s = LossScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=2)
+    assert run_scaler(s, [False, "inf", False, False])[0] == [64.0, 64.0, 64.0, 128.0]
+
+
 def test_loss_scaler_hysteresis_backs_off_on_second_overflow():
     """hysteresis=2: the first overflow skips the step but keeps the scale; the second halves it."""
     s = LossScaler("cpu", init_scale=64.0, growth_interval=100, hysteresis=2)

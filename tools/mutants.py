@@ -61,6 +61,20 @@ MUTANTS = (
         ),  # noqa: E501
     ),
     Mutant(
+        "norm-low",
+        "norms run in FP32",
+        "amp_compiler/policy.py",
+        "        aten.layer_norm,\n        aten.native_layer_norm,\n",
+        "",
+        ("tests/test_policy.py", "tests/test_backend.py", "tests/test_hf_models.py"),
+        more=(
+            (
+                "    {\n        aten.mm,\n",
+                "    {\n        aten.layer_norm,\n        aten.native_layer_norm,\n        aten.mm,\n",
+            ),
+        ),  # noqa: E501
+    ),
+    Mutant(
         "casts-unfolded",
         "the fewest casts",
         "passes/__init__.py",
@@ -91,6 +105,14 @@ MUTANTS = (
         "        if ratio <= self.threshold:",
         "        if ratio <= 10 * self.threshold:",
         ("tests/test_monitor.py", "tests/test_training.py"),
+    ),
+    Mutant(
+        "scale-never-grows",
+        "FP16's loss scale grows after growth_interval clean steps (hysteresis too)",
+        "amp_compiler/scaler.py",
+        "self._growth_factor, self._backoff_factor, self._growth_interval",
+        "1.0, self._backoff_factor, self._growth_interval",
+        ("tests/test_loss_scaler.py",),
     ),
     Mutant(
         "auto-bf16-anyway",
