@@ -23,29 +23,26 @@ native_only = pytest.mark.skipif(
 NEW = 24
 
 
-def _qwen2():
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    return transformers.Qwen2ForCausalLM(config)
+def _small(name, **extra):
+    """transformers' ``{name}ForCausalLM`` from a small config (2 layers, d=32, 100 tokens)."""
 
+    def make():
+        torch.manual_seed(0)
+        base = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        config = getattr(transformers, f"{name}Config")(**{**base, **extra})
+        return getattr(transformers, f"{name}ForCausalLM")(config).eval()
 
-def _mistral():
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=None,
-    )  # fmt: skip
-    return transformers.MistralForCausalLM(config)
+    return make
 
 
 FAMILIES = {
     "gpt2": lambda: tiny_gpt2(seed=0, n_positions=64, vocab_size=100).eval(),
     "llama": lambda: tiny_llama(seed=0).eval(),
-    "qwen2": lambda: _qwen2().eval(),
-    "mistral": lambda: _mistral().eval(),
+    "qwen2": _small("Qwen2", num_key_value_heads=2),
+    "mistral": _small("Mistral", num_key_value_heads=2, sliding_window=None),
+    "phi3": _small("Phi3", num_key_value_heads=2, pad_token_id=0),  # one fused qkv projection
+    "gemma": _small("Gemma", num_key_value_heads=2, head_dim=8),
+    "gpt_neox": _small("GPTNeoX"),  # rotary over part of each head
 }
 
 
