@@ -213,3 +213,30 @@ def test_cli_exports_a_decoder_for_generation(tmp_path, capsys):
 
     code, _, err = cli_here(capsys, "export", target, "-o", out, "--task", "text-generation", "--dynamic", "0:batch")
     assert code == 2 and "makes batch and lengths dynamic itself" in err
+
+
+def test_cuda_target_without_cuda_checks_numbers_and_says_generation_was_skipped(tmp_path):
+    """target="cuda" on a machine without CUDA: the BF16 file is checked as export_onnx checks
+    it (rounding emulated on ORT CPU); generation is not run on some other runtime instead."""
+    import torch as _torch
+
+    if _torch.cuda.is_available():
+        pytest.skip("a CUDA machine generates on ORT's CUDA provider (tools/gpu_check.sh)")
+    path = tmp_path / "d.onnx"
+    report = export_decoder(FAMILIES["llama"](), str(path), target="cuda", new_tokens=4)
+    assert path.exists() and "emulated" in report.parity["method"]
+    assert "no CUDA device" in report.generation["skipped"]
+
+
+def test_a_row_that_ends_keeps_its_end_token_and_the_others_go_on(tmp_path):
+    path = str(tmp_path / "d.onnx")
+    export_decoder(FAMILIES["llama"](), path, dtype="fp32", target="cpu", new_tokens=4)
+    decoder = Decoder(path, runtime="ort")
+    ids, mask = example_prompts(100, seed=3)
+    free = decoder.generate(ids, mask, 10)
+    end = int(free[0, 2])  # row 0's third token, made its end
+    stopped = decoder.generate(ids, mask, 10, eos_token_id=end)
+    assert (stopped[0, :3] == free[0, :3]).all() and (stopped[0, 3:] == end).all()
+    ends = np.flatnonzero(free[1] == end)
+    upto = ends[0] + 1 if len(ends) else 10  # row 1 goes on as before until it makes that token
+    assert (stopped[1, :upto] == free[1, :upto]).all() and (stopped[1, upto:] == end).all()

@@ -169,7 +169,8 @@ def export_decoder(
     dtype, target, opset, options: as ``export_onnx``. ``check`` also generates
     ``new_tokens`` greedy tokens for ``prompts`` ((input_ids, attention_mask), numpy or
     tensors; default: two random prompts, one left-padded) on the target's runtime (OpenVINO,
-    or ONNX Runtime's CPU provider for target "cpu") and compares them with PyTorch's FP32
+    ONNX Runtime's CPU provider for target "cpu", its CUDA provider for "cuda" where there is
+    one; elsewhere the report says it was skipped) and compares them with PyTorch's FP32
     tokens: an FP32 export must match them; a 16-bit one reports the first divergent token
     and the share of tokens that differ.
     """
@@ -196,8 +197,16 @@ def export_decoder(
     ids, prompt_mask = (np.asarray(p) for p in prompts) if prompts is not None else example_prompts(vocab)
 
     def generates(file: str, report: ExportReport) -> None:
+        if target == "cuda" and not _ort_cuda():
+            report.generation = {
+                "skipped": "no CUDA device with onnxruntime-gpu here: generate where it is served, "
+                "Decoder(path, runtime='ort', provider='CUDAExecutionProvider')"
+            }
+            return
         want = torch_greedy(model, ids, prompt_mask, new_tokens)
-        runner = Decoder(file, runtime="ort" if target == "cpu" else "openvino", layout=layout)
+        runtime = "openvino" if target == "openvino" else "ort"
+        provider = "CUDAExecutionProvider" if target == "cuda" else "CPUExecutionProvider"
+        runner = Decoder(file, runtime=runtime, provider=provider, layout=layout)
         got = runner.generate(ids, prompt_mask, new_tokens)
         report.generation = compare_tokens(got, want)
         if dtype == "fp32" and report.generation["tokens_differing"]:
@@ -225,6 +234,14 @@ def export_decoder(
     return DecoderReport(**vars(report), layout=layout)
 
 
+def _ort_cuda() -> bool:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+
+
 def compare_tokens(got: np.ndarray, want: np.ndarray) -> dict[str, Any]:
     """Where generated tokens leave the reference's: per prompt, the first index that differs
     (tokens after it follow a different text, so only the first one is comparable)."""
@@ -243,10 +260,20 @@ class Decoder:
     """Greedy generation from an exported decoder with numpy and the runtime alone.
 
     runtime "openvino" (``stateful=True``: the cache inside the compiled model) or "ort"
-    (ONNX Runtime's CPU provider, the cache passed in and out).
+    (ONNX Runtime with ``provider``, the cache passed in and out; a CUDA session never falls
+    back to the CPU).
     """
 
-    def __init__(self, path: str, *, runtime: str = "openvino", stateful: bool = True, layout=None, threads=None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        runtime: str = "openvino",
+        stateful: bool = True,
+        layout=None,
+        threads=None,
+        provider: str = "CPUExecutionProvider",
+    ):
         import onnx
 
         self.runtime, self.stateful = runtime, stateful and runtime == "openvino"
@@ -259,7 +286,9 @@ class Decoder:
             so = ort.SessionOptions()
             if threads:
                 so.intra_op_num_threads = threads
-            self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            if provider == "CUDAExecutionProvider":
+                so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+            self.session = ort.InferenceSession(path, so, providers=[provider])
         elif runtime == "openvino":
             from .openvino import compile_openvino, compile_stateful
 
