@@ -165,21 +165,28 @@ def compile_openvino(path: str, *, threads: int | None = None, check: bool = Tru
     nodes run in (``check`` raises ExportError where it is not the plan's). A BF16 file is
     refused on a CPU without native BF16.
     """
+    core = _core()
+    onnx_model, nodes, config = _to_serve(path, threads)
+    compiled = core.compile_model(core.read_model(path), "CPU", config)
+    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
+    return compiled, executed
+
+
+def _to_serve(path: str, threads: int | None) -> tuple[Any, tuple, dict]:
+    """(the ONNX graph, its planned nodes, OpenVINO's settings) for serving ``path`` here;
+    refused where it holds 16-bit matmuls and this CPU has no native BF16."""
     import onnx
 
     if not os.path.isfile(path):
         raise ExportError(f"no such file: {path!r}")
-    core = _core()
     onnx_model = onnx.load(path, load_external_data=False)
     nodes = _low_onnx_nodes(onnx_model)
     if nodes[0]:  # 16-bit matmuls: BF16 arithmetic must be native here
-        refuse_without_native_bf16(core)
+        refuse_without_native_bf16()
     config = _settings_for(path)
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
-    compiled = core.compile_model(core.read_model(path), "CPU", config)
-    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
-    return compiled, executed
+    return onnx_model, nodes, config
 
 
 def run_openvino(compiled, feeds: dict) -> list:
@@ -221,12 +228,5 @@ def stateful_model(path: str, layout):
 
 def compile_stateful(path: str, layout, *, threads: int | None = None):
     """``stateful_model`` compiled for this CPU with the settings beside the file."""
-    import onnx
-
-    nodes = _low_onnx_nodes(onnx.load(path, load_external_data=False))
-    if nodes[0]:
-        refuse_without_native_bf16()
-    config = _settings_for(path)
-    if threads:
-        config["INFERENCE_NUM_THREADS"] = threads
+    _, _, config = _to_serve(path, threads)
     return _core().compile_model(stateful_model(path, layout), "CPU", config)

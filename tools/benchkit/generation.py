@@ -97,15 +97,11 @@ def _eager_generate(model, ids, mask, new_tokens: int) -> tuple[np.ndarray, floa
     return out[:, ids.shape[1] :].numpy(), first, [per] * (new_tokens - 1)
 
 
-def _first_divergent(got: np.ndarray, want: np.ndarray) -> int | None:
-    firsts = [int(np.argmax(g != w)) for g, w in zip(got, want) if (g != w).any()]
-    return min(firsts) if firsts else None
-
-
 def run_generation(args, folder: str) -> dict:
     import torch
 
     from amp_compiler.onnx_export import export_decoder, native_bf16
+    from amp_compiler.onnx_export.generation import compare_tokens
 
     torch.set_num_threads(args.threads)
     model = llama_for(args.d, args.layers, args.vocab)
@@ -151,8 +147,8 @@ def run_generation(args, folder: str) -> dict:
                 k: {
                     "first_token_ms": statistics.median(r[1] for r in rs) * 1e3,
                     "per_token_ms": statistics.median(t for r in rs for t in r[2]) * 1e3,
-                    "first_divergent_vs_fp32": _first_divergent(rs[0][0], reference),
-                    "tokens_differing_vs_fp32": int((rs[0][0] != reference).sum()),
+                    "first_divergent_vs_fp32": (vs := compare_tokens(rs[0][0], reference))["first_divergent"],
+                    "tokens_differing_vs_fp32": vs["tokens_differing"],
                 }
                 for k, rs in runs.items()
             }
