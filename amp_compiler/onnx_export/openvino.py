@@ -166,13 +166,13 @@ def compile_openvino(path: str, *, threads: int | None = None, check: bool = Tru
     refused on a CPU without native BF16.
     """
     core = _core()
-    onnx_model, nodes, config = _to_serve(path, threads)
+    onnx_model, nodes, config = _to_serve(path, threads, core)
     compiled = core.compile_model(core.read_model(path), "CPU", config)
     executed = executed_precision(compiled, onnx_model, nodes) if check else {}
     return compiled, executed
 
 
-def _to_serve(path: str, threads: int | None) -> tuple[Any, tuple, dict]:
+def _to_serve(path: str, threads: int | None, core) -> tuple[Any, tuple, dict]:
     """(the ONNX graph, its planned nodes, OpenVINO's settings) for serving ``path`` here;
     refused where it holds 16-bit matmuls and this CPU has no native BF16."""
     import onnx
@@ -182,7 +182,7 @@ def _to_serve(path: str, threads: int | None) -> tuple[Any, tuple, dict]:
     onnx_model = onnx.load(path, load_external_data=False)
     nodes = _low_onnx_nodes(onnx_model)
     if nodes[0]:  # 16-bit matmuls: BF16 arithmetic must be native here
-        refuse_without_native_bf16()
+        refuse_without_native_bf16(core)
     config = _settings_for(path)
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
@@ -228,5 +228,6 @@ def stateful_model(path: str, layout):
 
 def compile_stateful(path: str, layout, *, threads: int | None = None):
     """``stateful_model`` compiled for this CPU with the settings beside the file."""
-    _, _, config = _to_serve(path, threads)
-    return _core().compile_model(stateful_model(path, layout), "CPU", config)
+    core = _core()
+    _, _, config = _to_serve(path, threads, core)
+    return core.compile_model(stateful_model(path, layout), "CPU", config)
