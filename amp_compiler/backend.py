@@ -44,6 +44,7 @@ class CompileRecord:
     passes: list[PassRecord] = field(default_factory=list)
     options: AmpOptions | None = None
     parameters: int = 0  # graph inputs that are trainable leaves: the model's parameters
+    restored: bool = False  # the plan was read from amp's plan cache (an earlier process made it)
 
 
 class AmpBackend:
@@ -121,7 +122,8 @@ class AmpBackend:
             # FP32: the program plain torch.compile runs, its partition included (recomputing
             # in FP32 cost lm-sdpa 3-6% of a step where 16 bit is emulated)
             budget = 1.0
-        compiled = inner_compiler(opts.inner, mode, budget)(record.graph, list(example_inputs))
+        with plan_cache.collector_held(record.restored):
+            compiled = inner_compiler(opts.inner, mode, budget)(record.graph, list(example_inputs))
         return self._watch_memory(compiled, example_inputs, opts)
 
     @property
@@ -231,7 +233,9 @@ class AmpBackend:
             restored.replay()
             if opts.policy_source is not None:
                 check_fingerprint(opts.policy_source, fingerprint(restored.plan.nodes))
-            return self._record(gm, example_inputs, opts, restored.graph, restored.plan, restored.passes)
+            record = self._record(gm, example_inputs, opts, restored.graph, restored.plan, restored.passes)
+            record.restored = True
+            return record
         with plan_cache.logged_while_planning() as logged:
             aten_gm, fake_mode, inputs, passes = self._planned(gm, example_inputs, opts, LOW_DTYPES[dtype])
         aten_gm.recompile()

@@ -13,7 +13,7 @@ META_KEY = "amp"
 REQUIRES_GRAD = "amp_requires_grad"
 
 
-@dataclass
+@dataclass(slots=True)  # one per node of every planned graph
 class NodeInfo:
     """The decision for one node and why.
 

@@ -39,7 +39,7 @@ from .upstream.torch_private import OpOverload
 SCHEMA = "amp_compiler.plan/1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per model, kept for its life
 class NodePlan:
     graph: int
     name: str
@@ -52,7 +52,7 @@ class NodePlan:
     casts: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CastPlan:
     graph: int
     name: str

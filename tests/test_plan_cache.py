@@ -1,6 +1,7 @@
 """The plan cache: a restarted process restores amp's plan for a graph it planned before,
 and plans again whenever anything the plan depends on differs."""
 
+import gc
 import pickle
 
 import pytest
@@ -77,6 +78,40 @@ def test_a_restart_restores_the_plan_and_runs_it(planned, inductor_recorded, amp
     # what planning said, said again
     assert any("unknown op" in w and "special_log_ndtr" in w for w in warned)
     assert [r.getMessage() for r in amp_log][len(warned) :] == warned
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_a_restored_plan_is_compiled_with_the_collector_held(planned, inductor_recorded, monkeypatch, collector_on):
+    """A restart reads its plan and compiles the graph with Python's cycle collector held (what
+    both make is long-lived; counted in passing it cost a full collection of the heap), and
+    gives the collector back as it found it; a planning process leaves it alone."""
+    seen, real = [], amp_compiler.backend.inner_compiler
+
+    def watching(name, mode, budget):
+        compile = real(name, mode, budget)
+
+        def compiled(gm, inputs):
+            seen.append(gc.isenabled())
+            return compile(gm, inputs)
+
+        return compiled
+
+    monkeypatch.setattr(amp_compiler.backend, "inner_compiler", watching)
+    model, x = Net(), torch.randn(4, 16)
+    was_on = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        first, _ = restart(model, x)
+        after_planning = gc.isenabled()
+        restored = [r.restored for r in first.records]  # Dynamo's reset clears them
+        second, _ = restart(model, x)
+        after_restoring = gc.isenabled()
+    finally:
+        (gc.enable if was_on else gc.disable)()
+    assert planned == [0]
+    assert restored + [r.restored for r in second.records] == [False, True]
+    assert seen == [collector_on, False]
+    assert after_planning == after_restoring == collector_on
 
 
 CHANGES = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import pathlib
@@ -50,6 +51,16 @@ def child(args) -> dict:
             planning[0] += time.perf_counter() - t0
 
     amp_compiler.AmpBackend.rewrite = timed
+    collecting = {"since": 0.0, "s": [0.0, 0.0, 0.0], "n": [0, 0, 0]}
+
+    def on_gc(phase, info):  # the collector's pauses, by generation: a full one scans the heap
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        else:
+            collecting["s"][info["generation"]] += time.perf_counter() - collecting["since"]
+            collecting["n"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
     # from torch.compile (or make_train_step) on: what each pays to set up counts (Inductor's
     # own torch.compile imports its compiler there; amp's backend at its first compile)
     t0 = time.perf_counter()
@@ -68,6 +79,9 @@ def child(args) -> dict:
         "planning_s": planning[0],
         "second_step_s": second,
         "caches": caches,
+        "gc_s": collecting["s"],
+        "gc_collections": collecting["n"],
+        "objects": len(gc.get_objects()),
         "torch": torch.__version__,
     }
 
