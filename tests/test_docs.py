@@ -66,6 +66,14 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, inductor_recorded):
         decoder = namespace["report"]  # the decoder's export: BF16 ran, tokens were compared
         assert decoder.layout and decoder.parity["executed_low_nodes_16bit"] > 0, decoder.parity
         assert decoder.generation["new_tokens"] == 32 and namespace["tokens"].shape == (2, 8)
+        lm = namespace["lm"]  # generate() over the same file: the plan's precision, read back
+        assert lm.decoder.stateful and lm.decoder.executed["low_nodes_16bit"] > 0, lm.decoder.executed
+        for out in (namespace["beams"], namespace["sampled"]):  # the prompts, continued (an end token may stop early)
+            assert (
+                out.shape[0] == 2
+                and 5 < out.shape[1] <= 5 + 8
+                and torch.equal(out[:, :5], namespace["prompt"]["input_ids"])
+            )
     if page.name in EXECUTES:
         assert inductor_recorded.dtypes_of(EXECUTES[page.name]), f"{page.name}: {EXECUTES[page.name]} never ran"
 

@@ -142,7 +142,7 @@ def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path)
     np.testing.assert_array_equal(kept, hf_greedy(model, ids, mask))
 
     # the prompt of row 1 continued from row 0's place once its cache is moved there
-    request = compile_stateful(path, report.layout).create_infer_request()
+    request = compile_stateful(path, report.layout)[0].create_infer_request()
     full = np.ones_like(ids)
     prompt = {"input_ids": ids, "attention_mask": full, "position_ids": np.arange(12)[None].repeat(2, 0)}
     first = request.infer({**prompt, "beam_idx": np.arange(2, dtype=np.int32)})["logits"]
@@ -240,3 +240,85 @@ def test_a_row_that_ends_keeps_its_end_token_and_the_others_go_on(tmp_path):
     ends = np.flatnonzero(free[1] == end)
     upto = ends[0] + 1 if len(ends) else 10  # row 1 goes on as before until it makes that token
     assert (stopped[1, :upto] == free[1, :upto]).all() and (stopped[1, upto:] == end).all()
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beam search": dict(num_beams=3, do_sample=False),  # the cache reordered between steps
+    "sampling": dict(do_sample=True, top_k=20, temperature=0.8),  # the same seed for both
+}
+
+
+@pytest.fixture(scope="module")
+def llama_fp32(tmp_path_factory):
+    model = FAMILIES["llama"]()
+    path = str(tmp_path_factory.mktemp("lm") / "d.onnx")
+    export_decoder(model, path, dtype="fp32", target="openvino", new_tokens=8)
+    return model, path
+
+
+def _generate(lm, ids, mask, **kw):
+    torch.manual_seed(1)
+    gen = dict(max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    return lm.generate(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), **{**gen, **kw})
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "cache-passed"])
+def test_transformers_generate_drives_the_export_as_it_drives_the_model(llama_fp32, stateful, mode):
+    """CausalLM: transformers' generate() over the FP32 export on OpenVINO gives the tokens it
+    gives over the PyTorch model, a left-padded batch; every forward ran on OpenVINO."""
+    from amp_compiler.onnx_export import CausalLM
+
+    model, path = llama_fp32
+    lm = CausalLM(path, model.config, stateful=stateful)
+    rows, real = [], lm.decoder.step
+    lm.decoder.step = lambda feeds, *a, **k: rows.append(feeds["input_ids"].shape) or real(feeds, *a, **k)
+    ids, mask = example_prompts(100, seed=7)
+    got = _generate(lm, ids, mask, **MODES[mode])
+    want = _generate(model, ids, mask, **MODES[mode])
+    assert torch.equal(got, want), (got, want)
+    batch = 2 * MODES[mode].get("num_beams", 1)
+    assert rows == [(batch, ids.shape[1])] + [(batch, 1)] * 11  # the prompt, then one token a step
+
+
+def test_generate_stops_rows_at_their_end_token_and_runs_on_onnx_runtime(llama_fp32):
+    from amp_compiler.onnx_export import CausalLM
+
+    model, path = llama_fp32
+    lm = CausalLM(path, model.config, runtime="ort")
+    ids, mask = example_prompts(100, seed=7)
+    free = _generate(lm, ids, mask)
+    end = int(free[0, ids.shape[1] + 2])  # row 0's third new token, made its end
+    got, want = _generate(lm, ids, mask, eos_token_id=end), _generate(model, ids, mask, eos_token_id=end)
+    assert torch.equal(got, want)
+    assert (got[0, ids.shape[1] + 3 :] == 0).all()  # padded after its end
+
+
+def test_causal_lm_refuses_what_the_graph_cannot_give(llama_fp32, tmp_path):
+    from amp_compiler.onnx_export import CausalLM
+
+    model, path = llama_fp32
+    model.config.save_pretrained(tmp_path)
+    lm = CausalLM(path, str(tmp_path))  # a directory holding config.json
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="logits and the cache only"):
+        lm(ids, output_hidden_states=True)
+    assert lm(ids).logits.shape == (1, 3, 100)
+    with pytest.raises(ValueError, match="decoder-only"):
+        CausalLM(path, transformers.T5Config(vocab_size=100, d_model=32, num_layers=1))
+
+
+@native_only
+def test_generate_over_a_bf16_export_runs_the_plan(tmp_path):
+    """The BF16 plan under generate(): the compiled model's executed precision checked as the
+    export checks it, and greedy tokens those of the numpy loop over the same file."""
+    from amp_compiler.onnx_export import CausalLM
+
+    model, path = FAMILIES["qwen2"](), str(tmp_path / "d.onnx")
+    export_decoder(model, path, new_tokens=8)
+    lm = CausalLM(path, model.config)
+    assert lm.decoder.executed["low_nodes_16bit"] > 0 and "Softmax f32" in lm.decoder.executed["layers"]
+    ids, mask = example_prompts(100, seed=7)
+    got = _generate(lm, ids, mask)[:, ids.shape[1] :].numpy()
+    np.testing.assert_array_equal(got, Decoder(path).generate(ids, mask, 12))

@@ -11,7 +11,8 @@ Modules: ``program`` (the planned torch.export program), ``export`` (writing and
 into place), ``structure`` and ``parity`` (the checks), ``emulation`` (BF16 rounded
 through Cast pairs, for ORT's CPU provider), ``coverage`` (ORT's kernels per provider),
 ``openvino`` (serving on OpenVINO Runtime, the executed precision per node), ``generation``
-(decoders with their KV cache, served token by token).
+(decoders with their KV cache, served token by token), ``causal_lm`` (such a decoder driven
+by transformers' ``generate()``).
 """
 
 from .base import EXPORT_DTYPES, TARGETS, ExportError
@@ -22,7 +23,17 @@ from .openvino import compile_openvino, native_bf16, run_openvino
 from .parity import check_parity
 from .structure import check_structure
 
+
+def __getattr__(name: str):
+    if name == "CausalLM":  # needs transformers, which the export alone does not
+        from .causal_lm import CausalLM
+
+        return CausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "CausalLM",
     "Decoder",
     "DecoderReport",
     "EXPORT_DTYPES",

@@ -261,7 +261,8 @@ class Decoder:
 
     runtime "openvino" (``stateful=True``: the cache inside the compiled model) or "ort"
     (ONNX Runtime with ``provider``, the cache passed in and out; a CUDA session never falls
-    back to the CPU).
+    back to the CPU). ``executed``: on OpenVINO, the precision the planned nodes run in, read
+    from the compiled model (ExportError where it is not the plan's); empty on ONNX Runtime.
     """
 
     def __init__(
@@ -277,6 +278,7 @@ class Decoder:
         import onnx
 
         self.runtime, self.stateful = runtime, stateful and runtime == "openvino"
+        self.executed: dict[str, Any] = {}
         if layout is None:
             layout = _layout_of(onnx.load(path, load_external_data=False))
         self.layout = layout
@@ -292,23 +294,27 @@ class Decoder:
         elif runtime == "openvino":
             from .openvino import compile_openvino, compile_stateful
 
-            if self.stateful:
-                self.compiled = compile_stateful(path, layout, threads=threads)
-            else:
-                self.compiled, _ = compile_openvino(path, threads=threads, check=False)
+            # the precision each planned node runs in, checked as the export checks it
+            compile = compile_stateful if self.stateful else compile_openvino
+            args = (path, layout) if self.stateful else (path,)
+            self.compiled, self.executed = compile(*args, threads=threads)
             self.request = self.compiled.create_infer_request()
         else:
             raise ValueError(f"runtime={runtime!r} is not valid; use 'openvino' or 'ort'")
 
-    def step(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One forward: logits and the new cache (the runtime's own cache when stateful)."""
+    def step(
+        self, feeds: dict[str, np.ndarray], past: list[np.ndarray], beam_idx: np.ndarray | None = None
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One forward: logits and the new cache (the runtime's own cache when stateful: row i
+        of it continues from row ``beam_idx[i]``, by default itself)."""
         if self.runtime == "ort":
             out = self.session.run(None, {**feeds, **dict(zip(self.layout.past_names, past))})
             return out[0], out[1:]
         if self.stateful:
-            batch = feeds["input_ids"].shape[0]
-            result = self.request.infer({**feeds, "beam_idx": np.arange(batch, dtype=np.int32)})
-            return result[self.compiled.output("logits")], past
+            if beam_idx is None:
+                beam_idx = np.arange(feeds["input_ids"].shape[0], dtype=np.int32)
+            result = self.request.infer({**feeds, "beam_idx": beam_idx})
+            return result[self.compiled.output("logits")].copy(), past
         result = self.request.infer({**feeds, **dict(zip(self.layout.past_names, past))})
         # copies: the request writes its next outputs where these are, while reading them as inputs
         outs = [result[port].copy() for port in self.compiled.outputs]

@@ -226,8 +226,11 @@ def stateful_model(path: str, layout):
     return model
 
 
-def compile_stateful(path: str, layout, *, threads: int | None = None):
-    """``stateful_model`` compiled for this CPU with the settings beside the file."""
+def compile_stateful(path: str, layout, *, threads: int | None = None, check: bool = True):
+    """``stateful_model`` compiled for this CPU with the settings beside the file; returns
+    ``(compiled_model, executed)`` as ``compile_openvino`` does."""
     core = _core()
-    _, _, config = _to_serve(path, threads, core)
-    return core.compile_model(stateful_model(path, layout), "CPU", config)
+    onnx_model, nodes, config = _to_serve(path, threads, core)
+    compiled = core.compile_model(stateful_model(path, layout), "CPU", config)
+    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
+    return compiled, executed
