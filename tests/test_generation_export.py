@@ -322,3 +322,28 @@ def test_generate_over_a_bf16_export_runs_the_plan(tmp_path):
     ids, mask = example_prompts(100, seed=7)
     got = _generate(lm, ids, mask)[:, ids.shape[1] :].numpy()
     np.testing.assert_array_equal(got, Decoder(path).generate(ids, mask, 12))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_fp32_export_for_openvino_fuses_attention_with_its_cache(family, tmp_path):
+    """For OpenVINO an FP32 decoder's attention is ONNX's Attention, laid out so OpenVINO's CPU
+    plugin fuses it with the stateful cache (what ran: its ScaledDotProductAttention layers, no
+    MatMul/Softmax left), the cache held in FP32 as the graph gives it (OpenVINO's default
+    would store it as u8); the tokens stay transformers' own."""
+    import json
+
+    from amp_compiler.onnx_export.openvino import compile_stateful, reads_onnx_attention
+
+    if not reads_onnx_attention():
+        pytest.skip("this OpenVINO reads no ONNX Attention: attention stays MatMul/Softmax")
+    model, path = FAMILIES[family](), str(tmp_path / "d.onnx")
+    report = export_decoder(model, path, dtype="fp32", target="openvino", new_tokens=NEW)
+    assert report.opset == 23 and report.generation["tokens_differing"] == 0
+    assert json.load(open(report.settings_path))["KV_CACHE_PRECISION"] == "f32"
+    compiled, _ = compile_stateful(path, report.layout)
+    assert compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
+    kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ordered_ops()]
+    assert kinds.count("ScaledDotProductAttention") == report.layout.layers
+    assert "Softmax" not in kinds and "MatMul" not in kinds
+    ids, mask = example_prompts(100, seed=5)
+    np.testing.assert_array_equal(Decoder(path).generate(ids, mask, NEW), hf_greedy(model, ids, mask))

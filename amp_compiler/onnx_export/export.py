@@ -132,10 +132,12 @@ def export_checked(
     tolerance: float | None,
     io_names: tuple[list[str], list[str]] | None = None,
     more_checks: Callable[[str, ExportReport], None] | None = None,
+    simplify: Callable[[str], None] | None = None,
 ) -> ExportReport:
     """``export_onnx``, with the graph's inputs and outputs named ``io_names`` (ONNX's names
-    for the flattened inputs, outputs) and ``more_checks(file, report)`` run on the written
-    file before it is moved into place (raising ExportError keeps it out)."""
+    for the flattened inputs, outputs), ``simplify(file)`` rewriting the written file in place
+    before the checks, and ``more_checks(file, report)`` run on it after them, before it is
+    moved into place (raising ExportError keeps it out)."""
     _validate(dtype, target)
     if target == "openvino" and dtype == "bf16" and check:
         refuse_without_native_bf16(doing="check a BF16 export for OpenVINO")
@@ -173,6 +175,8 @@ def export_checked(
                 _library_translations(model),
                 io_names,
             )
+            if simplify is not None:
+                simplify(tmp_path)
             report = ExportReport(
                 path,
                 None,

@@ -24,6 +24,7 @@ import torch
 
 from .base import ExportError
 from .export import ExportReport, export_checked
+from .openvino import fusable_attention, reads_onnx_attention
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -195,6 +196,11 @@ def export_decoder(
         "past": [({0: auto, 2: auto}, {0: auto, 2: auto})] * layout.layers,
     }
     ids, prompt_mask = (np.asarray(p) for p in prompts) if prompts is not None else example_prompts(vocab)
+    simplify = None
+    if target == "openvino" and dtype == "fp32" and (opset or 23) >= 23 and reads_onnx_attention():
+        # attention as ONNX's Attention: OpenVINO fuses it with the stateful cache (a 16-bit
+        # plan writes attention out, to keep its softmax FP32: MatMul/Softmax/MatMul)
+        opset, simplify = opset or 23, fusable_attention
 
     def generates(file: str, report: ExportReport) -> None:
         if target == "cuda" and not _ort_cuda():
@@ -230,6 +236,7 @@ def export_decoder(
         tolerance=None,
         io_names=([*INPUTS, *layout.past_names], ["logits", *layout.present_names]),
         more_checks=generates if check else None,
+        simplify=simplify,
     )
     return DecoderReport(**vars(report), layout=layout)
 

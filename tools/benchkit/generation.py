@@ -2,11 +2,12 @@
 
 ``python tools/serve_bench.py --generate`` (see there). Variants, the same weights:
   eager-fp32            transformers' generate(), greedy, eager PyTorch in FP32
-  openvino-fp32         our FP32 export, stateful OpenVINO, INFERENCE_PRECISION_HINT f32
-  openvino-own-bf16     our FP32 export, stateful OpenVINO, its default hint (bf16 on a CPU
-                        with native BF16: OpenVINO picks the precision of every op itself,
-                        as optimum-intel's default serving does)
-  openvino-amp-bf16     our BF16 export (the plan), stateful OpenVINO, hint f32
+  openvino-fp32         our FP32 export, stateful OpenVINO, its settings (hint f32, FP32 cache)
+  openvino-own-bf16     our FP32 export, stateful OpenVINO, its defaults (bf16 on a CPU with
+                        native BF16: OpenVINO picks the precision of every op itself, and
+                        stores a fused attention's cache as u8, as optimum-intel's default
+                        serving does)
+  openvino-amp-bf16     our BF16 export (the plan), stateful OpenVINO, its settings (hint f32)
 Each OpenVINO variant is timed by the same loop (prefill, then one token at a time); the
 first token's time includes the prompt, each later token's is the median over the rest.
 Tokens are compared with eager FP32's: the first divergent token over the prompts.
@@ -47,14 +48,17 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 1) -> tuple[np.nda
     return ids, np.ones_like(ids)
 
 
-def _ov_runner(path: str, layout, hint: str | None, threads: int):
-    """A stateful OpenVINO request for the export at ``path``; ``hint`` None: OpenVINO's default."""
-    from amp_compiler.onnx_export.openvino import _core, stateful_model
+def _ov_runner(path: str, layout, own: bool, threads: int):
+    """A stateful OpenVINO request for the export at ``path``: with the settings written beside
+    it (hint f32, the cache in the graph's precision), or ``own``: OpenVINO's defaults (BF16
+    wherever it can on a native-BF16 CPU, a fused attention's cache stored as u8)."""
+    from amp_compiler.onnx_export.openvino import _core, compile_stateful, stateful_model
 
-    config = {"INFERENCE_NUM_THREADS": threads}
-    if hint:
-        config["INFERENCE_PRECISION_HINT"] = hint
-    compiled = _core().compile_model(stateful_model(path, layout), "CPU", config)
+    if own:
+        config = {"INFERENCE_NUM_THREADS": threads}
+        compiled = _core().compile_model(stateful_model(path, layout), "CPU", config)
+    else:
+        compiled, _ = compile_stateful(path, layout, threads=threads, check=False)
     return compiled.create_infer_request()
 
 
@@ -123,9 +127,9 @@ def run_generation(args, folder: str) -> dict:
         exports["bf16"] = export_decoder(model, bf16_path, dtype="bf16", target="openvino", new_tokens=8)
     layout = next(iter(exports.values())).layout if exports else None
     runners = {
-        "openvino-fp32": lambda: _ov_runner(fp32_path, layout, "f32", args.threads),
-        "openvino-own-bf16": lambda: _ov_runner(fp32_path, layout, None, args.threads),
-        "openvino-amp-bf16": lambda: _ov_runner(bf16_path, layout, "f32", args.threads),
+        "openvino-fp32": lambda: _ov_runner(fp32_path, layout, False, args.threads),
+        "openvino-own-bf16": lambda: _ov_runner(fp32_path, layout, True, args.threads),
+        "openvino-amp-bf16": lambda: _ov_runner(bf16_path, layout, False, args.threads),
     }
     requests = {k: runners[k]() for k in kinds if k in runners}
     results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
