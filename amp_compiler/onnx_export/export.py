@@ -133,6 +133,7 @@ def export_checked(
     io_names: tuple[list[str], list[str]] | None = None,
     more_checks: Callable[[str, ExportReport], None] | None = None,
     simplify: Callable[[str], None] | None = None,
+    fused_attention: bool = False,
 ) -> ExportReport:
     """``export_onnx``, with the graph's inputs and outputs named ``io_names`` (ONNX's names
     for the flattened inputs, outputs), ``simplify(file)`` rewriting the written file in place
@@ -161,6 +162,7 @@ def export_checked(
             dynamic_shapes,
             options,
             low_precision_io,
+            fused_attention,
         )
         tmp = tempfile.mkdtemp(dir=folder, prefix=".amp-export-")
         try:

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..policy import LOW_DTYPES
 from .base import ExportError
 from .export import ExportReport, export_checked
-from .openvino import fusable_attention, reads_onnx_attention
+from .openvino import as_float32, fusable_attention, openvino_feeds, reads_onnx_attention
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -53,9 +54,9 @@ class CachedDecoder(torch.nn.Module):
     """A causal LM's forward over a cache given as tensors: (input_ids, attention_mask,
     position_ids, [(key, value) per layer]) -> (logits, [(key, value) per layer])."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cache_dtype: torch.dtype | None = None):
         super().__init__()
-        self.model = model
+        self.model, self.cache_dtype = model, cache_dtype
         self.train(model.training)  # export restores the wrapper's mode, which is the model's
         params = inspect.signature(model.forward).parameters
         # transformers 5.25 names the argument ``cache``; 5.0 ``past_key_values``
@@ -65,6 +66,8 @@ class CachedDecoder(torch.nn.Module):
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=[tuple(kv) for kv in past], config=self.model.config)
+        if self.cache_dtype is not None:
+            _store_as(cache, self.cache_dtype)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -73,6 +76,19 @@ class CachedDecoder(torch.nn.Module):
             **{self.cache_arg: cache},
         )
         return out.logits, [(layer.keys, layer.values) for layer in _cache_of(out).layers]
+
+
+def _store_as(cache, dtype: torch.dtype) -> None:
+    """The cache keeps each new key and value in ``dtype`` (the plan's 16-bit cache: half the
+    bytes); attention reads them back in the model's dtype (a cast the plan folds away, its
+    attention reading the 16-bit cache as it is)."""
+    update = cache.update
+
+    def stored(keys, values, *args, **kwargs):
+        full_keys, full_values = update(keys.to(dtype), values.to(dtype), *args, **kwargs)
+        return full_keys.to(keys.dtype), full_values.to(values.dtype)
+
+    cache.update = stored
 
 
 def _cache_of(out):
@@ -196,11 +212,15 @@ def export_decoder(
         "past": [({0: auto, 2: auto}, {0: auto, 2: auto})] * layout.layers,
     }
     ids, prompt_mask = (np.asarray(p) for p in prompts) if prompts is not None else example_prompts(vocab)
-    simplify = None
-    if target == "openvino" and dtype == "fp32" and (opset or 23) >= 23 and reads_onnx_attention():
-        # attention as ONNX's Attention: OpenVINO fuses it with the stateful cache (a 16-bit
-        # plan writes attention out, to keep its softmax FP32: MatMul/Softmax/MatMul)
-        opset, simplify = opset or 23, fusable_attention
+    simplify, fused, cache_dtype = None, False, None
+    if target == "openvino" and (opset or 23) >= 23 and reads_onnx_attention():
+        # attention as ONNX's Attention: OpenVINO fuses it with the stateful cache, which a
+        # 16-bit plan keeps in 16 bit (the fused cache reads it as it is)
+        opset, simplify, fused = opset or 23, fusable_attention, True
+        cache_dtype = None if dtype == "fp32" else LOW_DTYPES[dtype]
+    if cache_dtype is not None:
+        past = [tuple(t.to(cache_dtype) for t in kv) for kv in past]
+        args = (*args[:3], past)
 
     def generates(file: str, report: ExportReport) -> None:
         if target == "cuda" and not _ort_cuda():
@@ -221,23 +241,29 @@ def export_decoder(
                 f"({report.generation['tokens_differing']} of {want.size} differ): the graph is not the model's"
             )
 
-    report = export_checked(
-        CachedDecoder(model),
-        args,
-        path,
-        kwargs=None,
-        dtype=dtype,
-        target=target,
-        dynamic_shapes=dynamic,
-        opset=opset,
-        check=check,
-        low_precision_io=False,
-        options=options,
-        tolerance=None,
-        io_names=([*INPUTS, *layout.past_names], ["logits", *layout.present_names]),
-        more_checks=generates if check else None,
-        simplify=simplify,
-    )
+    try:
+        report = export_checked(
+            CachedDecoder(model, cache_dtype),
+            args,
+            path,
+            kwargs=None,
+            dtype=dtype,
+            target=target,
+            dynamic_shapes=dynamic,
+            opset=opset,
+            check=check,
+            low_precision_io=False,
+            options=options,
+            tolerance=None,
+            io_names=([*INPUTS, *layout.past_names], ["logits", *layout.present_names]),
+            more_checks=generates if check else None,
+            simplify=simplify,
+            fused_attention=fused,
+        )
+    except ExportError as e:
+        if not fused:
+            raise
+        raise ExportError(f"{e} (attention fused for OpenVINO; opset=22 writes it out: MatMul, Softmax, MatMul)") from e
     return DecoderReport(**vars(report), layout=layout)
 
 
@@ -322,9 +348,9 @@ class Decoder:
                 beam_idx = np.arange(feeds["input_ids"].shape[0], dtype=np.int32)
             result = self.request.infer({**feeds, "beam_idx": beam_idx})
             return result[self.compiled.output("logits")].copy(), past
-        result = self.request.infer({**feeds, **dict(zip(self.layout.past_names, past))})
+        result = self.request.infer(openvino_feeds(self.compiled, {**feeds, **dict(zip(self.layout.past_names, past))}))
         # copies: the request writes its next outputs where these are, while reading them as inputs
-        outs = [result[port].copy() for port in self.compiled.outputs]
+        outs = [as_float32(result[port], port).copy() for port in self.compiled.outputs]
         return outs[0], outs[1:]
 
     def generate(self, input_ids, attention_mask=None, new_tokens: int = 32, eos_token_id=None) -> np.ndarray:

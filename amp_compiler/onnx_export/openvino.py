@@ -29,6 +29,8 @@ SETTINGS = {"INFERENCE_PRECISION_HINT": "f32"}
 # (LayerNormalization turns into MVN under a new name).
 FP32_RUNTIME_TYPES = frozenset({"MVN", "Softmax", "LogSoftmax", "NormalizeL2", "Reduce", "RMS"})
 GEMM_RUNTIME_TYPES = frozenset({"FullyConnected", "MatMul", "Convolution", "Deconvolution"})
+# attention fused whole (its softmax in f32 inside the kernel), with or without the cache
+ATTENTION_RUNTIME_TYPES = frozenset({"ScaledDotProductAttention", "ScaledDotProductAttentionWithKVCache"})
 LOW_PRECISIONS = frozenset({"bf16", "f16"})
 
 
@@ -119,7 +121,9 @@ def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
     ``nodes``: ``_low_onnx_nodes(onnx_model)`` where the caller has it (shape inference).
     """
     low_names, fp32_names, reads_low = nodes or _low_onnx_nodes(onnx_model)
+    attention_low = any(n.op_type == "Attention" and n.name in low_names for n in onnx_model.graph.node)
     ran: dict[str, tuple[str, str]] = {}  # ONNX node name -> (layer type, runtime precision)
+    computed: dict[str, list[str]] = {}  # ONNX node name -> precisions of its GEMM/attention layers
     by_type: Counter = Counter()
     problems = []
     for op in compiled.get_runtime_model().get_ordered_ops():
@@ -129,14 +133,22 @@ def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
         names = info["originalLayersNames"].astype(str).split(",")
         for name in names:
             ran.setdefault(name, (kind, precision))
+            if kind in GEMM_RUNTIME_TYPES or kind in ATTENTION_RUNTIME_TYPES:
+                computed.setdefault(name, []).append(precision)
         if kind in FP32_RUNTIME_TYPES and precision in LOW_PRECISIONS:
             problems.append(f"{kind} {op.get_friendly_name()} runs in {precision}; the plan keeps it FP32")
+        if kind in ATTENTION_RUNTIME_TYPES and precision == "f32" and attention_low:
+            problems.append(f"{kind} {op.get_friendly_name()} runs in f32; the plan's attention is 16-bit")
         if kind in GEMM_RUNTIME_TYPES and precision == "f32" and reads_low.intersection(names):
             problems.append(f"{kind} {op.get_friendly_name()} ({', '.join(names[:3])}) runs in f32 on 16-bit values")
-        if (kind in FP32_RUNTIME_TYPES or kind in GEMM_RUNTIME_TYPES) and precision in ("f32", *LOW_PRECISIONS):
+        counted = FP32_RUNTIME_TYPES | GEMM_RUNTIME_TYPES | ATTENTION_RUNTIME_TYPES
+        if kind in counted and precision in ("f32", *LOW_PRECISIONS):
             by_type[f"{kind} {precision}"] += 1
-    low_ok = [n for n in low_names if ran.get(n, ("", ""))[1] in LOW_PRECISIONS]
-    wrong = [n for n in low_names if n in ran and n not in low_ok]
+
+    # judged by the GEMM/attention layers that carry its name (an Attention's name can stay on
+    # its mask's u8 layer while OpenVINO names the attention its own way: unnamed, then)
+    low_ok = [n for n in low_names if any(p in LOW_PRECISIONS for p in computed.get(n, []))]
+    wrong = [n for n in low_names if n in computed and n not in low_ok]
     problems += [f"{n} (16-bit in the plan) runs as {ran[n][0]} in {ran[n][1]}" for n in wrong]
     if low_names and not low_ok:
         problems.append(f"none of the plan's {len(low_names)} 16-bit matmuls/convolutions runs in 16 bit")
@@ -209,9 +221,36 @@ def _to_serve(path: str, threads: int | None, core) -> tuple[Any, tuple, dict]:
 
 def run_openvino(compiled, feeds: dict) -> list:
     """Outputs, in the model's order, for ``feeds`` (ONNX input name -> numpy array)."""
-    names = {name for port in compiled.inputs for name in port.get_names()}
-    result = compiled.create_infer_request().infer({k: v for k, v in feeds.items() if k in names})
-    return [result[port] for port in compiled.outputs]
+    result = compiled.create_infer_request().infer(openvino_feeds(compiled, feeds))
+    return [as_float32(result[port], port) for port in compiled.outputs]
+
+
+def openvino_feeds(compiled, feeds: dict) -> dict:
+    """``feeds`` for ``compiled``'s inputs: numpy has no BF16, so a BF16 input (a decoder's
+    16-bit cache) takes a float32 array rounded to BF16 (to nearest, ties to even)."""
+    import openvino
+
+    out = {}
+    for port in compiled.inputs:
+        name = next((n for n in port.get_names() if n in feeds), None)
+        if name is None:
+            continue
+        value = feeds[name]
+        if port.get_element_type() == openvino.Type.bf16 and not isinstance(value, openvino.Tensor):
+            bits = np.ascontiguousarray(value, dtype=np.float32).view(np.uint32)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            value = openvino.Tensor(bits, list(bits.shape), openvino.Type.bf16)
+        out[name] = value
+    return out
+
+
+def as_float32(array: np.ndarray, port) -> np.ndarray:
+    """An output as float32: OpenVINO hands BF16 values over as float16-typed bits."""
+    import openvino
+
+    if port.get_element_type() != openvino.Type.bf16:
+        return array
+    return (np.ascontiguousarray(array).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def stateful_model(path: str, layout):
@@ -252,6 +291,37 @@ def compile_stateful(path: str, layout, *, threads: int | None = None, check: bo
     compiled = core.compile_model(stateful_model(path, layout), "CPU", config)
     executed = executed_precision(compiled, onnx_model, nodes) if check else {}
     return compiled, executed
+
+
+# ops that move values without computing on them: exact in any dtype
+_MOVES = frozenset({"Unsqueeze", "Squeeze", "Expand", "Reshape", "Transpose"})
+
+
+def _fold_round_trips(graph) -> None:
+    """A 16-bit value widened to FP32, only moved (the grouped-query repeat of a 16-bit cache:
+    Unsqueeze, Expand, Reshape) and cast back to the same 16 bits moves in 16 bit instead: the
+    same values, and the cache then feeds attention directly, as OpenVINO's fusion needs."""
+    for back in list(graph):
+        if back.op_type != "Cast" or back.graph is None or back.outputs[0].is_graph_output():
+            continue
+        chain, value = [], back.inputs[0]
+        while value.producer() is not None and value.producer().op_type in _MOVES and len(value.uses()) == 1:
+            chain.append(value.producer())
+            value = value.producer().inputs[0]
+        widen = value.producer()
+        if widen is None or widen.op_type != "Cast" or len(value.uses()) != 1:
+            continue
+        source = widen.inputs[0]
+        if source.dtype is None or source.dtype != back.outputs[0].dtype:
+            continue
+        if chain:
+            chain[-1].replace_input_with(0, source)
+            for node in chain:
+                node.outputs[0].dtype = source.dtype
+            back.outputs[0].replace_all_uses_with(back.inputs[0])
+        else:
+            back.outputs[0].replace_all_uses_with(source)
+        graph.remove([back, widen], safe=True)
 
 
 def _additive_masks(graph) -> None:
@@ -314,6 +384,7 @@ def fusable_attention(path: str) -> None:
     model = ir.load(path)
     model = rewriter.rewrite(model, pattern_rewrite_rules=[collapse_slice_rule, collapse_slice2_rule])
     IdentityEliminationPass()(model)
+    _fold_round_trips(model.graph)
     _additive_masks(model.graph)
     RemoveUnusedNodesPass()(model)
     # written beside, then moved over: the model still reads its weights from the old file

@@ -197,7 +197,8 @@ def _openvino_parity(path: str, feeds: dict, dtype: str, result: dict) -> list:
 
     from .openvino import compile_openvino, run_openvino
 
-    arrays = {k: v.detach().cpu().numpy() for k, v in feeds.items()}
+    # numpy has no BF16: a BF16 input (a decoder's cache) goes as float32, rounded back on the way in
+    arrays = {k: (v.float() if v.is_floating_point() else v).detach().cpu().numpy() for k, v in feeds.items()}
     compiled, executed = compile_openvino(path)
     got = run_openvino(compiled, arrays)
     result["method"] = "OpenVINO CPU, INFERENCE_PRECISION_HINT f32 (the plan's precision per node)"

@@ -25,8 +25,10 @@ from .kernels import export_fp32_pins
 log = logging.getLogger("amp_compiler")
 
 
-def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io):
-    """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit."""
+def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options, low_io, fused_attention=False):
+    """torch.export the model, run the amp pipeline on it, store 16-bit-only weights in 16 bit.
+    ``fused_attention``: SDPA stays one op (ONNX's Attention, opset 23), its softmax computed
+    in FP32 inside the runtime's kernel, as PyTorch's fused kernels compute it."""
     try:
         # torch.distributions' argument checks are Python branches on values; torch.compile
         # turns them off for the whole process, so do the same here, for this call only
@@ -38,7 +40,7 @@ def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options,
             torch.distributions.Distribution.set_default_validate_args(validate)
     except Exception as e:
         raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}{_export_hint(e)}") from e
-    if dtype != "fp32":
+    if dtype != "fp32" and not fused_attention:
         # The exporter lowers SDPA to MatMul/Softmax/MatMul; write it out first (as the
         # backend's pass does, in the fused op's memory layout, which views after it may
         # rely on) so the policy sees the softmax and keeps it FP32. The retrace also
