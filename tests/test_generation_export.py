@@ -365,3 +365,52 @@ def test_fp32_export_for_openvino_fuses_attention_with_its_cache(family, tmp_pat
     assert "Softmax" not in kinds and "MatMul" not in kinds
     ids, mask = example_prompts(100, seed=5)
     np.testing.assert_array_equal(Decoder(path).generate(ids, mask, NEW), hf_greedy(model, ids, mask))
+
+
+def _round_trip_graph(source, middle, moves):
+    """x (``source``) -> Cast(``middle``) -> ``moves`` -> Cast(back to ``source``) -> y."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    shape = [1, 2, 3, 4]
+    nodes, value = [helper.make_node("Cast", ["x"], ["wide"], to=middle)], "wide"
+    for i, op in enumerate(moves):
+        extra = {"Unsqueeze": ["axes"], "Reshape": ["shape"]}[op]
+        nodes.append(helper.make_node(op, [value, *extra], [f"m{i}"]))
+        value = f"m{i}"
+    nodes.append(helper.make_node("Cast", [value], ["y"], to=source))
+    nodes.append(helper.make_node("Neg", ["y"], ["z"]))  # what reads the round trip
+    inits = [
+        helper.make_tensor("axes", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("shape", TensorProto.INT64, [4], shape),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", source, shape)],
+        [helper.make_tensor_value_info("z", source, shape)], inits,
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    return ir.serde.deserialize_model(model)  # every value typed, as the exporter writes them
+
+
+@pytest.mark.parametrize(
+    "source, middle, moves, casts_left",
+    [
+        ("BFLOAT16", "FLOAT", ["Unsqueeze", "Reshape"], 0),  # a 16-bit cache's repeat: moved in 16 bit
+        ("BFLOAT16", "FLOAT", [], 0),
+        ("FLOAT16", "FLOAT", ["Reshape"], 0),
+        ("BFLOAT16", "FLOAT16", ["Reshape"], 2),  # not exact: bf16's range does not fit f16
+        ("FLOAT", "BFLOAT16", ["Reshape"], 2),  # a rounding, not a widening
+    ],
+)
+def test_only_exact_round_trips_through_moves_are_folded(source, middle, moves, casts_left):
+    from onnx import TensorProto
+
+    from amp_compiler.onnx_export.openvino import fold_round_trips
+
+    model = _round_trip_graph(getattr(TensorProto, source), getattr(TensorProto, middle), moves)
+    fold_round_trips(model.graph)
+    assert [n.op_type for n in model.graph].count("Cast") == casts_left
+    assert [n.op_type for n in model.graph if n.op_type != "Cast"] == [*moves, "Neg"]
+    if casts_left == 0:  # the moves now carry the 16-bit values, Neg reads them
+        assert all(n.outputs[0].dtype.name == source for n in model.graph)

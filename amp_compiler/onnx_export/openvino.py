@@ -297,10 +297,13 @@ def compile_stateful(path: str, layout, *, threads: int | None = None, check: bo
 _MOVES = frozenset({"Unsqueeze", "Squeeze", "Expand", "Reshape", "Transpose"})
 
 
-def _fold_round_trips(graph) -> None:
+def fold_round_trips(graph) -> None:
     """A 16-bit value widened to FP32, only moved (the grouped-query repeat of a 16-bit cache:
     Unsqueeze, Expand, Reshape) and cast back to the same 16 bits moves in 16 bit instead: the
     same values, and the cache then feeds attention directly, as OpenVINO's fusion needs."""
+    import onnx_ir as ir
+
+    sixteen_bits = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
     for back in list(graph):
         if back.op_type != "Cast" or back.graph is None or back.outputs[0].is_graph_output():
             continue
@@ -312,7 +315,8 @@ def _fold_round_trips(graph) -> None:
         if widen is None or widen.op_type != "Cast" or len(value.uses()) != 1:
             continue
         source = widen.inputs[0]
-        if source.dtype is None or source.dtype != back.outputs[0].dtype:
+        exact = source.dtype in sixteen_bits and widen.outputs[0].dtype == ir.DataType.FLOAT
+        if not exact or source.dtype != back.outputs[0].dtype:
             continue
         if chain:
             chain[-1].replace_input_with(0, source)
@@ -384,7 +388,7 @@ def fusable_attention(path: str) -> None:
     model = ir.load(path)
     model = rewriter.rewrite(model, pattern_rewrite_rules=[collapse_slice_rule, collapse_slice2_rule])
     IdentityEliminationPass()(model)
-    _fold_round_trips(model.graph)
+    fold_round_trips(model.graph)
     _additive_masks(model.graph)
     RemoveUnusedNodesPass()(model)
     # written beside, then moved over: the model still reads its weights from the old file
