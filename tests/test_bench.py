@@ -400,3 +400,34 @@ def test_fused_attention_variant_keeps_the_fused_kernel():
             v.forward(x)
         kept[name] = sum(n.target is sdpa for r in v.backend.records for n in r.graph.graph.nodes)
     assert kept["amp-fused-attention"] == size["layers"] and kept["amp"] == 0
+
+
+def test_serve_bench_serves_an_optimum_intel_export_beside_ours(tmp_path, capsys):
+    """--save-model writes the bench's model for optimum-cli (in a venv of its own);
+    --optimum DIR serves that export's openvino_model.xml in the same loop. Here a stand-in
+    with optimum-intel's interface (our FP32 decoder, made stateful: input_ids,
+    attention_mask, position_ids, beam_idx -> logits): its FP32 tokens are eager FP32's."""
+    import serve_bench
+
+    transformers = pytest.importorskip("transformers")
+    ov = pytest.importorskip("openvino")
+    from amp_compiler.onnx_export import export_decoder
+    from amp_compiler.onnx_export.openvino import stateful_model
+
+    size = ["--d", "64", "--layers", "1", "--vocab", "128"]
+    saved = tmp_path / "model"
+    assert serve_bench.main(["--generate", *size, "--save-model", str(saved)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved).eval()  # the weights the bench serves
+    report = export_decoder(model, str(tmp_path / "d.onnx"), dtype="fp32", target="openvino", new_tokens=4)
+    anchor = tmp_path / "optimum"
+    anchor.mkdir()
+    ov.save_model(stateful_model(str(tmp_path / "d.onnx"), report.layout), str(anchor / "openvino_model.xml"))
+    out = tmp_path / "gen.json"
+    argv = ["--generate", *size, "--batches", "2", "--prompt-lengths", "8", "--new-tokens", "6", "--gen-reps", "1"]
+    assert serve_bench.main(argv + ["--optimum", str(anchor), "--json", str(out)]) == 0
+    case = json.loads(out.read_text())["cases"]["2x8"]
+    assert {"optimum-f32", "eager-fp32"} <= set(case)
+    assert case["optimum-f32"]["tokens_differing_vs_fp32"] == 0 and case["optimum-f32"]["per_token_ms"] > 0
+    assert "| 2x8 | optimum-f32 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no openvino_model.xml"):
+        serve_bench.main(argv + ["--optimum", str(tmp_path)])

@@ -155,7 +155,7 @@ def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path)
 
 
 @native_only
-@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "phi3", "gpt_neox"])  # the last two: one qkv GEMM, split
 def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     """BF16 from the plan on OpenVINO: matmuls ran in BF16, norms in FP32 (read back from the
     compiled model), attention fused with a BF16 cache that OpenVINO holds (half FP32's

@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lengths", type=lambda t: [int(x) for x in t.split(",")], default=[128, 512])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--gen-reps", type=int, default=3, help="generations per variant and case (medians)")
+    p.add_argument("--save-model", metavar="DIR", help="generation: write the bench's model here (for optimum-cli)")
+    p.add_argument("--optimum", metavar="DIR", help="generation: optimum-intel's export of that model, served beside")
     p.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -267,7 +269,14 @@ def main(argv=None) -> int:
 
 def _generate(args) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchkit.generation import generation_table, run_generation
+    from benchkit.generation import generation_table, llama_for, run_generation
+
+    if args.save_model:
+        llama_for(args.d, args.layers, args.vocab).save_pretrained(args.save_model)
+        print(f"wrote {args.save_model}: export it with optimum-cli in its own venv, then pass --optimum")
+        return 0
+    if args.optimum and not os.path.isfile(os.path.join(args.optimum, "openvino_model.xml")):
+        raise SystemExit(f"--optimum {args.optimum}: no openvino_model.xml there (optimum-cli export openvino ... DIR)")
 
     with tempfile.TemporaryDirectory() as folder:
         results = {"machine": _machine(args.threads), **run_generation(args, folder)}

@@ -40,12 +40,14 @@ def planned_program(model, args, kwargs, dtype, target, dynamic_shapes, options,
             torch.distributions.Distribution.set_default_validate_args(validate)
     except Exception as e:
         raise ExportError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}{_export_hint(e)}") from e
-    if dtype != "fp32" and not fused_attention:
-        # The exporter lowers SDPA to MatMul/Softmax/MatMul; write it out first (as the
-        # backend's pass does, in the fused op's memory layout, which views after it may
-        # rely on) so the policy sees the softmax and keeps it FP32. The retrace also
-        # canonicalises ops (split -> split_with_sizes) for the exporter.
-        write_out_all(ep.graph_module)
+    if dtype != "fp32":
+        # The exporter lowers SDPA to MatMul/Softmax/MatMul below opset 23; write it out
+        # first (as the backend's pass does, in the fused op's memory layout, which views
+        # after it may rely on) so the policy sees the softmax and keeps it FP32. The retrace
+        # also canonicalises ops (split -> split_with_sizes: ONNX's Split, where a 16-bit
+        # SplitToSequence is invalid) for the exporter.
+        if not fused_attention:
+            write_out_all(ep.graph_module)
         ep = ep.run_decompositions({})
     fp32_bytes = sum(t.numel() * 4 for t in _lifted_tensors(ep).values() if t.is_floating_point())
     gm = ep.graph_module

@@ -8,6 +8,13 @@
                         stores a fused attention's cache as u8, as optimum-intel's default
                         serving does)
   openvino-amp-bf16     our BF16 export (the plan), stateful OpenVINO, its settings (hint f32)
+  optimum-bf16          optimum-intel's export of the same weights (``--optimum DIR``), its
+                        defaults (as ``OVModelForCausalLM`` serves it on this CPU)
+  optimum-f32           the same, hint f32
+The optimum-intel anchor is made in a venv of its own (optimum-intel pins an older
+transformers): ``--save-model DIR`` writes the bench's model, then, in that venv,
+``optimum-cli export openvino --model DIR --task text-generation-with-past --weight-format
+fp32 OUT``; ``--optimum OUT`` adds it here (one process: the same loop, the same machine).
 Each OpenVINO variant is timed by the same loop (prefill, then one token at a time); the
 first token's time includes the prompt, each later token's is the median over the rest.
 Tokens are compared with eager FP32's: the first divergent token over the prompts.
@@ -21,6 +28,7 @@ import time
 import numpy as np
 
 GEN_VARIANTS = ("eager-fp32", "openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16")
+OPTIMUM_VARIANTS = ("optimum-bf16", "optimum-f32")
 
 
 def llama_for(d: int, layers: int, vocab: int, seed: int = 0):
@@ -60,6 +68,17 @@ def _ov_runner(path: str, layout, own: bool, threads: int):
     else:
         compiled, _ = compile_stateful(path, layout, threads=threads, check=False)
     return compiled.create_infer_request()
+
+
+def _optimum_runner(folder: str, own: bool, threads: int):
+    """A request on optimum-intel's stateful export in ``folder`` (``openvino_model.xml``)."""
+    from amp_compiler.onnx_export.openvino import _core
+
+    config = {"INFERENCE_NUM_THREADS": threads}
+    if not own:
+        config["INFERENCE_PRECISION_HINT"] = "f32"
+    core = _core()
+    return core.compile_model(core.read_model(f"{folder}/openvino_model.xml"), "CPU", config).create_infer_request()
 
 
 def _ov_generate(request, ids, mask, new_tokens: int) -> tuple[np.ndarray, float, list[float]]:
@@ -109,13 +128,14 @@ def run_generation(args, folder: str) -> dict:
 
     torch.set_num_threads(args.threads)
     model = llama_for(args.d, args.layers, args.vocab)
-    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(GEN_VARIANTS)
-    bad = [v for v in wanted if v not in GEN_VARIANTS]
+    every = GEN_VARIANTS + (OPTIMUM_VARIANTS if args.optimum else ())
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(every)
+    bad = [v for v in wanted if v not in every]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(GEN_VARIANTS)}")
     skipped = {}
     if not native_bf16():
-        for v in ("openvino-own-bf16", "openvino-amp-bf16"):
+        for v in ("openvino-own-bf16", "openvino-amp-bf16", "optimum-bf16"):
             if v in wanted:
                 skipped[v] = "no native BF16 on this CPU: OpenVINO would compute in FP32"
     kinds = [v for v in wanted if v not in skipped]
@@ -130,6 +150,8 @@ def run_generation(args, folder: str) -> dict:
         "openvino-fp32": lambda: _ov_runner(fp32_path, layout, False, args.threads),
         "openvino-own-bf16": lambda: _ov_runner(fp32_path, layout, True, args.threads),
         "openvino-amp-bf16": lambda: _ov_runner(bf16_path, layout, False, args.threads),
+        "optimum-bf16": lambda: _optimum_runner(args.optimum, True, args.threads),
+        "optimum-f32": lambda: _optimum_runner(args.optimum, False, args.threads),
     }
     requests = {k: runners[k]() for k in kinds if k in runners}
     results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
