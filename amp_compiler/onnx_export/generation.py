@@ -8,6 +8,11 @@ batch, prompt and cache lengths dynamic. On OpenVINO the cache can live inside t
 model (``stateful=True``: OpenVINO's MakeStateful, with a ``beam_idx`` input that reorders
 it, as optimum-intel serves decoders).
 
+For OpenVINO (which reads ONNX's Attention, opset 23) attention stays one op, laid out so
+OpenVINO's CPU plugin fuses it with the stateful cache (``openvino.fusable_attention``); a
+16-bit export stores the cache in 16 bit and the settings beside the file hold OpenVINO's
+cache in that precision. For ONNX Runtime attention is written out (MatMul, Softmax, MatMul).
+
 The export is checked by generating: greedy tokens from the file against PyTorch's FP32
 greedy tokens on the same prompts (left-padded batches included). An FP32 export must give
 the same tokens; a 16-bit one reports where it first leaves them.
@@ -80,8 +85,9 @@ class CachedDecoder(torch.nn.Module):
 
 def _store_as(cache, dtype: torch.dtype) -> None:
     """The cache keeps each new key and value in ``dtype`` (the plan's 16-bit cache: half the
-    bytes); attention reads them back in the model's dtype (a cast the plan folds away, its
-    attention reading the 16-bit cache as it is)."""
+    bytes); attention reads them back widened to the model's dtype, which the planned 16-bit
+    attention narrows again: ``openvino.fold_round_trips`` removes that exact round trip
+    from the ONNX graph, so the cache feeds attention as it is."""
     update = cache.update
 
     def stored(keys, values, *args, **kwargs):
