@@ -8,6 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -431,3 +432,33 @@ def test_serve_bench_serves_an_optimum_intel_export_beside_ours(tmp_path, capsys
     assert "| 2x8 | optimum-f32 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no openvino_model.xml"):
         serve_bench.main(argv + ["--optimum", str(tmp_path)])
+
+
+def test_generation_closeness_tool_trains_exports_and_measures_every_form(tmp_path, capsys):
+    """tools/generation_closeness.py: train (a few steps here), then measure each served form
+    against eager FP32: the FP32 export matches it (KL ~0, every token), the BF16 forms are
+    measured by the same numbers."""
+    import generation_closeness as gc_
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("openvino")
+    folder = tmp_path / "trained"
+    assert gc_.main(["train", str(folder), "--steps", "2", "--d", "32", "--layers", "1"]) == 0
+    assert gc_.main(["measure", str(folder), "--json", str(tmp_path / "c.json")]) == 0
+    forms = json.loads((tmp_path / "c.json").read_text())["forms"]
+    assert set(forms) == {"openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16", "openvino-amp-bf16-fp32-head"}
+    fp32 = forms["openvino-fp32"]
+    assert fp32["kl_to_fp32"] < 1e-9 and fp32["top1_agreement"] == 1.0 and fp32["greedy_tokens_differing"] == 0
+    assert all(f["kl_to_fp32"] >= 0 and 0 < f["top1_agreement"] <= 1 for f in forms.values())
+    assert "| openvino-amp-bf16 |" in capsys.readouterr().out
+
+
+def test_closeness_of_identical_and_of_different_logits():
+    import generation_closeness as gc_
+
+    rng = np.random.default_rng(0)
+    logits, rows = rng.normal(size=(2, 5, 7)), rng.integers(0, 7, (2, 5))
+    same = gc_.closeness(logits, logits, rows)
+    assert same["kl_to_fp32"] == pytest.approx(0, abs=1e-12) and same["top1_agreement"] == 1.0
+    other = gc_.closeness(logits + rng.normal(size=logits.shape), logits, rows)
+    assert other["kl_to_fp32"] > 0.01 and other["top1_agreement"] < 1.0
