@@ -30,7 +30,7 @@ import torch
 from ..policy import LOW_DTYPES
 from .base import ExportError
 from .export import ExportReport, export_checked
-from .openvino import as_float32, fusable_attention, openvino_feeds, reads_onnx_attention
+from .openvino import as_float32, attention_fuses_here, fusable_attention, openvino_feeds
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -219,7 +219,7 @@ def export_decoder(
     }
     ids, prompt_mask = (np.asarray(p) for p in prompts) if prompts is not None else example_prompts(vocab)
     simplify, fused, cache_dtype = None, False, None
-    if target == "openvino" and (opset or 23) >= 23 and reads_onnx_attention():
+    if target == "openvino" and (opset or 23) >= 23 and attention_fuses_here():
         # attention as ONNX's Attention: OpenVINO fuses it with the stateful cache, which a
         # 16-bit plan keeps in 16 bit (the fused cache reads it as it is)
         opset, simplify, fused = opset or 23, fusable_attention, True

@@ -353,9 +353,15 @@ def _additive_masks(graph) -> None:
 
 
 @functools.cache
-def reads_onnx_attention() -> bool:
-    """Whether this OpenVINO reads ONNX's Attention (opset 23) as its own
-    ScaledDotProductAttention: the op its CPU plugin fuses with a stateful KV cache."""
+def attention_fuses_here() -> bool:
+    """Whether a decoder's attention can be exported for OpenVINO to fuse with its stateful
+    cache: this OpenVINO reads ONNX's Attention (opset 23) as its own ScaledDotProductAttention,
+    and onnx_ir and onnxscript have what ``fusable_attention`` rewrites with."""
+    try:
+        import onnx_ir.passes.common  # noqa: F401
+        from onnxscript.rewriter.rules.common import collapse_slice_rule  # noqa: F401
+    except ImportError:  # older releases: attention is written out instead
+        return False
     from onnx import TensorProto, helper
 
     shape = [1, 2, 3, 8]
