@@ -313,6 +313,34 @@ def test_generate_stops_rows_at_their_end_token_and_runs_on_onnx_runtime(llama_f
     assert (got[0, ids.shape[1] + 3 :] == 0).all()  # padded after its end
 
 
+def test_generate_applies_logits_processors_and_feeds_a_streamer(llama_fp32):
+    """What generate() adds around the model works over the export as over the model: a
+    words ban (a logits processor) and a streamer that sees every token."""
+    from amp_compiler.onnx_export import CausalLM
+
+    class Streamer:
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen.append(value.clone())
+
+        def end(self):
+            self.seen.append(None)
+
+    model, path = llama_fp32
+    lm = CausalLM(path, model.config)
+    ids, _ = example_prompts(100, seed=7)
+    ids = torch.as_tensor(ids[:1])  # a streamer takes one row
+    free = _generate(lm, ids, np.ones_like(ids))
+    banned = [[int(t)] for t in free[0, ids.shape[1] : ids.shape[1] + 3]]  # its first three new tokens
+    streamer = Streamer()
+    got = _generate(lm, ids, np.ones_like(ids), bad_words_ids=banned, streamer=streamer)
+    want = _generate(model, ids, np.ones_like(ids), bad_words_ids=banned)
+    assert torch.equal(got, want) and not set(got[0, ids.shape[1] :].tolist()) & {b[0] for b in banned}
+    assert streamer.seen[-1] is None and torch.equal(torch.cat([t.view(-1) for t in streamer.seen[:-1]]), got[0])
+
+
 def test_causal_lm_refuses_what_the_graph_cannot_give(llama_fp32, tmp_path):
     from amp_compiler.onnx_export import CausalLM
 

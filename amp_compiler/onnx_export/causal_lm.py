@@ -4,7 +4,7 @@
     out = lm.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_p=0.9)
 
 ``generate()`` is transformers' own (``GenerationMixin``): greedy, sampling, beam search,
-stop strings and tokens, padded batches, streamers, logits processors. Each forward runs the
+stop tokens, padded batches, streamers, logits processors. Each forward runs the
 exported graph on the runtime; the KV cache stays in OpenVINO's compiled model (stateful;
 beam search reorders it through the model's ``beam_idx`` input) or travels in and out as
 arrays (``stateful=False``, and ONNX Runtime).
