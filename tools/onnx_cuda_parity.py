@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from amp_compiler import export_onnx  # noqa: E402
 from amp_compiler.demo import DemoLM  # noqa: E402
+from amp_compiler.onnx_export.parity import ort_cuda  # noqa: E402
 
 
 def models():
@@ -53,7 +54,7 @@ def main() -> int:
     import onnxruntime as ort
 
     os.makedirs(a.out, exist_ok=True)
-    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    cuda = ort_cuda()
     print(
         f"onnxruntime {ort.__version__}, providers {ort.get_available_providers()}, "
         f"torch CUDA {torch.cuda.is_available()}: {'CUDA provider' if cuda else 'CPU emulation'}"

@@ -31,6 +31,7 @@ from ..policy import LOW_DTYPES
 from .base import ExportError
 from .export import ExportReport, export_checked
 from .openvino import as_float32, attention_fuses_here, fusable_attention, openvino_feeds
+from .parity import ort_cuda
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -229,7 +230,7 @@ def export_decoder(
         args = (*args[:3], past)
 
     def generates(file: str, report: ExportReport) -> None:
-        if target == "cuda" and not _ort_cuda():
+        if target == "cuda" and not ort_cuda():
             report.generation = {
                 "skipped": "no CUDA device with onnxruntime-gpu here: generate where it is served, "
                 "Decoder(path, runtime='ort', provider='CUDAExecutionProvider')"
@@ -271,14 +272,6 @@ def export_decoder(
             raise
         raise ExportError(f"{e} (attention fused for OpenVINO; opset=22 writes it out: MatMul, Softmax, MatMul)") from e
     return DecoderReport(**vars(report), layout=layout)
-
-
-def _ort_cuda() -> bool:
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return False
-    return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
 
 
 def compare_tokens(got: np.ndarray, want: np.ndarray) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import torch
 
 from .base import ExportError
 from .kernels import value_types
@@ -31,6 +32,7 @@ FP32_RUNTIME_TYPES = frozenset({"MVN", "Softmax", "LogSoftmax", "NormalizeL2", "
 GEMM_RUNTIME_TYPES = frozenset({"FullyConnected", "MatMul", "Convolution", "Deconvolution"})
 # attention fused whole (its softmax in f32 inside the kernel), with or without the cache
 ATTENTION_RUNTIME_TYPES = frozenset({"ScaledDotProductAttention", "ScaledDotProductAttentionWithKVCache"})
+COUNTED_RUNTIME_TYPES = FP32_RUNTIME_TYPES | GEMM_RUNTIME_TYPES | ATTENTION_RUNTIME_TYPES  # in the report
 LOW_PRECISIONS = frozenset({"bf16", "f16"})
 
 
@@ -141,8 +143,7 @@ def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
             problems.append(f"{kind} {op.get_friendly_name()} runs in f32; the plan's attention is 16-bit")
         if kind in GEMM_RUNTIME_TYPES and precision == "f32" and reads_low.intersection(names):
             problems.append(f"{kind} {op.get_friendly_name()} ({', '.join(names[:3])}) runs in f32 on 16-bit values")
-        counted = FP32_RUNTIME_TYPES | GEMM_RUNTIME_TYPES | ATTENTION_RUNTIME_TYPES
-        if kind in counted and precision in ("f32", *LOW_PRECISIONS):
+        if kind in COUNTED_RUNTIME_TYPES and precision in ("f32", *LOW_PRECISIONS):
             by_type[f"{kind} {precision}"] += 1
 
     # judged by the GEMM/attention layers that carry its name (an Attention's name can stay on
@@ -195,9 +196,15 @@ def compile_openvino(path: str, *, threads: int | None = None, check: bool = Tru
     nodes run in (``check`` raises ExportError where it is not the plan's). A BF16 file is
     refused on a CPU without native BF16.
     """
+    return _compiled(path, threads, check, lambda core: core.read_model(path))
+
+
+def _compiled(path: str, threads: int | None, check: bool, read) -> tuple[Any, dict]:
+    """The OpenVINO model ``read(core)`` makes of ``path``, compiled with the file's settings,
+    and the precision its planned nodes run in (checked unless ``check`` is False)."""
     core = _core()
     onnx_model, nodes, config = _to_serve(path, threads, core)
-    compiled = core.compile_model(core.read_model(path), "CPU", config)
+    compiled = core.compile_model(read(core), "CPU", config)
     executed = executed_precision(compiled, onnx_model, nodes) if check else {}
     return compiled, executed
 
@@ -237,8 +244,8 @@ def openvino_feeds(compiled, feeds: dict) -> dict:
             continue
         value = feeds[name]
         if port.get_element_type() == openvino.Type.bf16 and not isinstance(value, openvino.Tensor):
-            bits = np.ascontiguousarray(value, dtype=np.float32).view(np.uint32)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            rounded = torch.as_tensor(np.asarray(value, dtype=np.float32)).to(torch.bfloat16)
+            bits = rounded.view(torch.int16).numpy().view(np.uint16)
             value = openvino.Tensor(bits, list(bits.shape), openvino.Type.bf16)
         out[name] = value
     return out
@@ -250,7 +257,8 @@ def as_float32(array: np.ndarray, port) -> np.ndarray:
 
     if port.get_element_type() != openvino.Type.bf16:
         return array
-    return (np.ascontiguousarray(array).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    bits = torch.from_numpy(np.ascontiguousarray(array).view(np.int16))
+    return bits.view(torch.bfloat16).float().numpy()
 
 
 def stateful_model(path: str, layout):
@@ -286,11 +294,7 @@ def stateful_model(path: str, layout):
 def compile_stateful(path: str, layout, *, threads: int | None = None, check: bool = True):
     """``stateful_model`` compiled for this CPU with the settings beside the file; returns
     ``(compiled_model, executed)`` as ``compile_openvino`` does."""
-    core = _core()
-    onnx_model, nodes, config = _to_serve(path, threads, core)
-    compiled = core.compile_model(stateful_model(path, layout), "CPU", config)
-    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
-    return compiled, executed
+    return _compiled(path, threads, check, lambda core: stateful_model(path, layout))
 
 
 # ops that move values without computing on them: exact in any dtype

@@ -127,6 +127,15 @@ def _max_err(got: list, want: list) -> tuple[float, float]:
     return abs_err, rel_err
 
 
+def ort_cuda() -> bool:
+    """Whether ONNX Runtime's CUDA provider and a CUDA device are both here."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+
+
 def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=None, names=None) -> dict:
     """Run the export and compare with PyTorch in FP32 and with the amp plan in PyTorch.
 
@@ -145,9 +154,8 @@ def check_parity(path, ep, args, kwargs, reference, dtype, target, tolerance=Non
         got = _openvino_parity(path, feeds, dtype, result)
         return _judged(result, got, want, amp_out, dtype, tol)
     import onnx
-    import onnxruntime as ort
 
-    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    cuda = ort_cuda()
     emulate = dtype == "bf16" and not (cuda and target == "cuda")
     model = onnx.load(path, load_external_data=emulate)  # the weights only where ORT runs a copy
     _refuse_random(model)

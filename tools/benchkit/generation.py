@@ -132,7 +132,7 @@ def run_generation(args, folder: str) -> dict:
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(every)
     bad = [v for v in wanted if v not in every]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(GEN_VARIANTS)}")
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(every)}")
     skipped = {}
     if not native_bf16():
         for v in ("openvino-own-bf16", "openvino-amp-bf16", "optimum-bf16"):
