@@ -159,7 +159,7 @@ def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path)
 def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     """BF16 from the plan on OpenVINO: matmuls ran in BF16, norms in FP32 (read back from the
     compiled model), attention fused with a BF16 cache that OpenVINO holds (half FP32's
-    bytes; the softmax inside the fused kernel in f32); where its tokens first leave FP32's is
+    bytes; the softmax inside the fused kernel in f32), rotary fused in FP32; where its tokens first leave FP32's is
     reported, and an FP32 control run of the same graph differs."""
     import json
 
@@ -187,6 +187,8 @@ def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     layers = report.layout.layers
     assert f"ScaledDotProductAttention bf16 x{layers}" in served.executed["layers"]
     assert "Softmax" not in served.executed["layers"] and "MatMul" not in served.executed["layers"]
+    if family != "gpt2":  # rotary in FP32 as the plan has it, fused (``widen_first``): queries and keys
+        assert f"RoPE f32 x{2 * layers}" in served.executed["layers"]
 
 
 def test_a_model_without_a_cache_is_refused_with_what_to_use(tmp_path):
@@ -442,3 +444,77 @@ def test_only_exact_round_trips_through_moves_are_folded(source, middle, moves, 
     assert [n.op_type for n in model.graph if n.op_type != "Cast"] == [*moves, "Neg"]
     if casts_left == 0:  # the moves now carry the 16-bit values, Neg reads them
         assert all(n.outputs[0].dtype.name == source for n in model.graph)
+
+
+def _rotate_half_graph(widened_elsewhere: bool):
+    """Rotary's rotate-half of a BF16 ``x`` (Slice, Neg, Concat) widened to FP32 and scaled;
+    ``widened_elsewhere``: ``x`` also has a widening of its own (rotary's ``x * cos`` path)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    shape = [1, 2, 3, 8]
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "half", "last"], ["lo"]),
+        helper.make_node("Slice", ["x", "half", "end", "last"], ["hi"]),
+        helper.make_node("Neg", ["hi"], ["neg"]),
+        helper.make_node("Concat", ["neg", "lo"], ["rot"], axis=-1),
+        helper.make_node("Cast", ["rot"], ["rot32"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["rot32", "scale"], ["y"]),
+        helper.make_node("Cast", ["x"], ["same"], to=TensorProto.BFLOAT16),  # a no-op
+        helper.make_node("Neg", ["same"], ["z"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)]
+    if widened_elsewhere:
+        nodes.append(helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT))
+        nodes.append(helper.make_node("Mul", ["x32", "scale"], ["w"]))  # after: the rewrite must reorder
+        outputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, shape))
+    outputs.append(helper.make_tensor_value_info("z", TensorProto.BFLOAT16, shape))
+    inits = [
+        helper.make_tensor(n, TensorProto.INT64, [1], [v])
+        for n, v in (("zero", 0), ("half", 4), ("end", 8), ("last", -1))
+    ] + [helper.make_tensor("scale", TensorProto.FLOAT, [8], np.linspace(-2, 3, 8).tolist())]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, shape)], outputs, inits
+    )
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    return ir.serde.deserialize_model(model)
+
+
+@pytest.mark.parametrize("widened_elsewhere", [True, False])
+def test_rotate_half_is_computed_from_the_widening_the_graph_has(widened_elsewhere):
+    """The exact ops between a BF16 value and its widening run on a widening the graph already
+    has (one Convert fewer; OpenVINO then fuses FP32 rotary): the same values, no Cast added,
+    none moved where there is no widening to share; a Cast to the dtype it reads is dropped."""
+    import onnx_ir as ir
+    import openvino as ov
+    import torch
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from amp_compiler.onnx_export.openvino import widen_first
+
+    x = torch.randn(1, 2, 3, 8).to(torch.bfloat16).view(torch.uint16).numpy()
+
+    def run(model):
+        compiled = ov.Core().compile_model(
+            ov.Core().read_model(ir.serde.serialize_model(model).SerializeToString(), b""),
+            "CPU",
+            {"INFERENCE_PRECISION_HINT": "f32"},
+        )
+        return [r.tobytes() for r in compiled(ov.Tensor(x, x.shape, ov.Type.bf16)).values()]
+
+    before = _rotate_half_graph(widened_elsewhere)
+    want = run(_rotate_half_graph(widened_elsewhere))
+    widen_first(before.graph)
+    RemoveUnusedNodesPass()(before)  # as the export does after
+    ops = [(n.op_type, n.outputs[0].dtype.name) for n in before.graph]
+    casts = [o for o in ops if o[0] == "Cast"]
+    if widened_elsewhere:
+        assert casts == [("Cast", "FLOAT")]
+        assert {o for o in ops if o[0] in ("Slice", "Neg", "Concat")} == {
+            ("Slice", "FLOAT"), ("Neg", "FLOAT"), ("Concat", "FLOAT"), ("Neg", "BFLOAT16")
+        }  # fmt: skip
+    else:
+        assert casts == [("Cast", "FLOAT")] and ("Concat", "BFLOAT16") in ops
+    got = run(before)
+    assert got == want  # bit for bit

@@ -64,6 +64,8 @@ def test_openvino_runs_matmuls_in_bf16_and_fp32_islands_in_f32(name, tmp_path):
     assert all(prec == "f32" for _, prec in islands), islands
     if name != "cnn_batchnorm":
         assert islands, layers  # LayerNorm/RMSNorm and softmax are there, and ran in FP32
+    if name == "hf_llama":  # rotary in FP32, fused (``widen_first``): queries and keys, each layer
+        assert layers.get(("RoPE", "f32"), 0) == 2 * model.config.num_hidden_layers, layers
 
 
 @native_only

@@ -19,7 +19,7 @@ import torch
 from ..plan import GraphPlan
 from .base import ANSI, EXPORT_DTYPES, TARGETS, ExportError
 from .kernels import ORT_VERSION
-from .openvino import refuse_without_native_bf16, write_settings
+from .openvino import fewer_conversions, refuse_without_native_bf16, write_settings
 from .openvino import settings_path as openvino_settings
 from .parity import check_parity
 from .program import in_signature_order, planned_program
@@ -113,6 +113,7 @@ def export_onnx(
         low_precision_io=low_precision_io,
         options=options,
         tolerance=tolerance,
+        simplify=fewer_conversions if target == "openvino" and dtype != "fp32" else None,
     )
 
 

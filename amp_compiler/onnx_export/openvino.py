@@ -32,7 +32,8 @@ FP32_RUNTIME_TYPES = frozenset({"MVN", "Softmax", "LogSoftmax", "NormalizeL2", "
 GEMM_RUNTIME_TYPES = frozenset({"FullyConnected", "MatMul", "Convolution", "Deconvolution"})
 # attention fused whole (its softmax in f32 inside the kernel), with or without the cache
 ATTENTION_RUNTIME_TYPES = frozenset({"ScaledDotProductAttention", "ScaledDotProductAttentionWithKVCache"})
-COUNTED_RUNTIME_TYPES = FP32_RUNTIME_TYPES | GEMM_RUNTIME_TYPES | ATTENTION_RUNTIME_TYPES  # in the report
+# rotary fused whole: reported, its precision the plan's (``widen_first``)
+COUNTED_RUNTIME_TYPES = FP32_RUNTIME_TYPES | GEMM_RUNTIME_TYPES | ATTENTION_RUNTIME_TYPES | {"RoPE"}  # in the report
 LOW_PRECISIONS = frozenset({"bf16", "f16"})
 
 
@@ -332,6 +333,71 @@ def fold_round_trips(graph) -> None:
         graph.remove([back, widen], safe=True)
 
 
+# exact as well, on their data inputs (input 0; every input of a Concat)
+_EXACT = _MOVES | {"Slice", "Neg", "Concat"}
+
+
+def widen_first(graph) -> None:
+    """A 16-bit value widened to FP32 after exact ops (rotary's rotate-half: Slice, Neg,
+    Concat) whose sources are widened already elsewhere is computed from those widened
+    values instead: the same values, one Convert fewer for each, and FP32 rotary then reads
+    as the pattern OpenVINO fuses into one RoPE layer. No Cast is added: where a source has
+    no widening of its own, the graph stays as it is. Casts to the dtype they read are dropped."""
+    import onnx_ir as ir
+
+    for cast in list(graph):
+        if cast.op_type == "Cast" and cast.graph is not None and not cast.outputs[0].is_graph_output():
+            to = cast.attributes.get("to")
+            if to is not None and cast.inputs[0].dtype is not None and cast.inputs[0].dtype.value == to.value:
+                cast.outputs[0].replace_all_uses_with(cast.inputs[0])
+                graph.remove(cast, safe=True)
+    changed = False
+    for cast in list(graph):
+        if cast.op_type != "Cast" or cast.graph is None or cast.outputs[0].dtype != ir.DataType.FLOAT:
+            continue
+        source = cast.inputs[0]
+        if source.dtype not in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16) or source.producer() is None:
+            continue
+        if source.producer().op_type not in _EXACT:
+            continue
+        made: list = []
+        wide = _widened(source, cast, made, {})
+        if wide is not None:
+            graph.insert_before(cast, made)
+            cast.outputs[0].replace_all_uses_with(wide)
+            graph.remove(cast, safe=True)
+            changed = True
+    if changed:
+        graph.sort()  # a reused widening may come later in the file than its new consumers
+
+
+def _widened(value, cast, made: list, memo: dict):
+    """``value`` in FP32 from exact ops over widenings the graph has (not ``cast``), or None."""
+    import onnx_ir as ir
+
+    if value in memo:
+        return memo[value]
+    for use in value.uses():
+        node = use[0]
+        if node is not cast and node.op_type == "Cast" and node.outputs[0].dtype == ir.DataType.FLOAT:
+            memo[value] = node.outputs[0]
+            return memo[value]
+    producer = value.producer()
+    if producer is None or producer.op_type not in _EXACT or len(producer.outputs) != 1:
+        return None
+    data = range(len(producer.inputs)) if producer.op_type == "Concat" else (0,)
+    inputs = list(producer.inputs)
+    for i in data:
+        inputs[i] = _widened(inputs[i], cast, made, memo)
+        if inputs[i] is None:
+            return None
+    node = ir.Node(producer.domain, producer.op_type, inputs, list(producer.attributes.values()))
+    node.outputs[0].dtype, node.outputs[0].shape = ir.DataType.FLOAT, producer.outputs[0].shape
+    made.append(node)
+    memo[value] = node.outputs[0]
+    return memo[value]
+
+
 def _additive_masks(graph) -> None:
     """Each Attention's boolean mask as the additive one it means (0 where attended, the
     dtype's lowest where not): OpenVINO's fused attention takes a slow path on a boolean
@@ -390,24 +456,52 @@ def fusable_attention(path: str) -> None:
     broadcast] -> ScaledDotProductAttention): the exporter's no-op Slices (``x[:, :, None]``'s
     full slices) and Identities (clones) sit inside that chain and stop the match; a boolean
     mask slows the fused kernel."""
-    import onnx_ir as ir
-    from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
+    from onnx_ir.passes.common import IdentityEliminationPass
     from onnxscript import rewriter
     from onnxscript.rewriter.rules.common import collapse_slice2_rule, collapse_slice_rule
 
-    model = ir.load(path)
-    model = rewriter.rewrite(model, pattern_rewrite_rules=[collapse_slice_rule, collapse_slice2_rule])
-    IdentityEliminationPass()(model)
-    fold_round_trips(model.graph)
-    _additive_masks(model.graph)
+    def simplified(model):
+        model = rewriter.rewrite(model, pattern_rewrite_rules=[collapse_slice_rule, collapse_slice2_rule])
+        IdentityEliminationPass()(model)
+        fold_round_trips(model.graph)
+        widen_first(model.graph)
+        _additive_masks(model.graph)
+        return model
+
+    _rewrite_in_place(path, simplified)
+
+
+def fewer_conversions(path: str) -> None:
+    """Rewrite a 16-bit export for OpenVINO in place with ``widen_first`` (its rotary fused
+    in FP32, one Convert fewer each); left as written where onnx_ir lacks what it needs."""
+    try:
+        import onnx_ir.passes.common  # noqa: F401
+    except ImportError:
+        return
+
+    def widened(model):
+        widen_first(model.graph)
+        return model
+
+    _rewrite_in_place(path, widened)
+
+
+def _rewrite_in_place(path: str, rewrite) -> None:
+    """``path`` read as onnx_ir, ``rewrite(model)``, unused nodes dropped, written back; its
+    weights stay beside it (``name.data``) where they were."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    name, folder = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+    external = os.path.exists(os.path.join(folder, name + ".data"))
+    model = rewrite(ir.load(path))
     RemoveUnusedNodesPass()(model)
     # written beside, then moved over: the model still reads its weights from the old file
-    name, folder = os.path.basename(path), os.path.dirname(os.path.abspath(path))
     beside = tempfile.mkdtemp(dir=folder, prefix=".amp-simplify-")
     try:
-        ir.save(model, os.path.join(beside, name), external_data=name + ".data")
+        ir.save(model, os.path.join(beside, name), external_data=name + ".data" if external else None)
         del model
-        for f in (name, name + ".data"):
+        for f in (name, name + ".data") if external else (name,):
             os.replace(os.path.join(beside, f), os.path.join(folder, f))
     finally:
         shutil.rmtree(beside, ignore_errors=True)
