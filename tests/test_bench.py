@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import LOW_EXEC
 
 from amp_compiler import AmpBackend, loss_head
 
@@ -233,21 +234,36 @@ def test_serve_bench_times_every_served_form_and_names_what_it_skipped(tmp_path,
     assert "| 2x16 | amp |" in capsys.readouterr().out
 
 
-def test_serve_bench_generation_mode_times_tokens_and_compares_them(tmp_path, capsys):
+def test_serve_bench_generation_mode_times_tokens_and_compares_them(tmp_path, capsys, inductor_recorded):
     """--generate: every variant timed or skipped with the reason; the FP32 export's tokens
-    are eager FP32's (the comparison can say so), the BF16 ones are compared too."""
+    are eager FP32's (the comparison can say so), the BF16 ones are compared too; the
+    compiled generate() ran amp's 16-bit plan; each variant's cache precision is read back."""
     import serve_bench
-    from benchkit.generation import GEN_VARIANTS
+    from benchkit.generation import COMPILED_VARIANTS, GEN_VARIANTS
 
     pytest.importorskip("transformers")
     pytest.importorskip("openvino")
     out = tmp_path / "gen.json"
     argv = ["--generate", "--d", "64", "--layers", "1", "--vocab", "128", "--batches", "2", "--prompt-lengths", "8"]
-    assert serve_bench.main(argv + ["--new-tokens", "6", "--gen-reps", "1", "--json", str(out)]) == 0
+    plot = tmp_path / "gen.png"
+    assert (
+        serve_bench.main(argv + ["--new-tokens", "6", "--gen-reps", "1", "--json", str(out), "--plot", str(plot)]) == 0
+    )
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
     timed = set(result["cases"]["2x8"])
-    assert timed | set(result["skipped"]) == set(GEN_VARIANTS) and not timed & set(result["skipped"])
-    assert {"eager-fp32", "openvino-fp32"} <= timed
+    every = set(GEN_VARIANTS + COMPILED_VARIANTS)
+    assert timed | set(result["skipped"]) == every and not timed & set(result["skipped"])
+    assert {"eager-fp32", "openvino-fp32", *COMPILED_VARIANTS} <= timed
+    amp = result["amp_graphs"]["amp-static"]  # prompt and later tokens: two graphs, each with 16-bit ops
+    assert amp["graphs"] == 2 and all(n > 0 for n in amp["low_ops"])
+    ran = inductor_recorded.dtypes_of(*LOW_EXEC)  # what amp's graphs executed (a recording inner backend)
+    assert ran and all(d[0] == torch.bfloat16 for d in ran), ran
+    assert all(result["cases"]["2x8"][k]["compile_s"] > 0 for k in COMPILED_VARIANTS)
+    cache = {k: (c["precision"], c["bytes_per_token"]) for k, c in result["cache"].items()}
+    assert cache["eager-fp32"] == cache["openvino-fp32"] == ("f32", 256)
+    if "openvino-amp-bf16" in timed:
+        assert cache["openvino-amp-bf16"] == ("bf16", 128)
     for k in timed:
         r = result["cases"]["2x8"][k]
         assert r["first_token_ms"] > 0 and r["per_token_ms"] > 0

@@ -84,7 +84,7 @@ def closeness(logits: np.ndarray, reference: np.ndarray, rows: np.ndarray) -> di
 
 def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
     import transformers
-    from benchkit.generation import _eager_generate, _optimum_runner, _ov_generate, _ov_runner
+    from benchkit.generation import _optimum_runner, _ov_generate, _ov_runner, _torch_generate
 
     from amp_compiler import export_decoder
     from amp_compiler.onnx_export.generation import compare_tokens
@@ -108,7 +108,7 @@ def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
     with torch.no_grad():
         reference = model(input_ids=torch.as_tensor(rows)).logits.numpy()
     prompts, mask = rows[:, :32], np.ones_like(rows[:, :32])
-    greedy = _eager_generate(model, prompts, mask, 32)[0]
+    greedy = _torch_generate(model, prompts, mask, 32)[0]
     out = {"rows": rows.shape, "eager_fp32_nll": closeness(reference, reference, rows)["nll"], "forms": {}}
     for name, make in forms.items():
         request = make()

@@ -191,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", metavar="PNG", help="generation: the first and later tokens' times as bars")
     p.add_argument(
         "--generate", action="store_true", help="generation: first token and per-token latency, tokens vs FP32"
     )
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
 
 def _generate(args) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchkit.generation import generation_table, llama_for, run_generation
+    from benchkit.generation import generation_plot, generation_table, llama_for, run_generation
 
     if args.save_model:
         llama_for(args.d, args.layers, args.vocab).save_pretrained(args.save_model)
@@ -285,6 +286,8 @@ def _generate(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.plot:
+        generation_plot(results, args.plot)
     return 0
 
 

@@ -8,6 +8,9 @@
                         stores a fused attention's cache as u8, as optimum-intel's default
                         serving does)
   openvino-amp-bf16     our BF16 export (the plan), stateful OpenVINO, its settings (hint f32)
+  autocast-inductor-static  transformers' generate() with a static cache, the model's forward
+                        compiled by Inductor, under torch.autocast (BF16)
+  amp-static            the same compiled by amp's backend (BF16); its plan's 16-bit ops counted
   optimum-bf16          optimum-intel's export of the same weights (``--optimum DIR``), its
                         defaults (as ``OVModelForCausalLM`` serves it on this CPU)
   optimum-f32           the same, hint f32
@@ -17,6 +20,9 @@ transformers): ``--save-model DIR`` writes the bench's model, then, in that venv
 fp32 OUT``; ``--optimum OUT`` adds it here (one process: the same loop, the same machine).
 Each OpenVINO variant is timed by the same loop (prefill, then one token at a time); the
 first token's time includes the prompt, each later token's is the median over the rest.
+generate() is timed by a streamer's clock: the call to the first new token, then the
+interval between tokens. The compiled variants compile at a first, untimed generation per
+case (its seconds reported as ``compile_s``).
 Tokens are compared with eager FP32's: the first divergent token over the prompts.
 """
 
@@ -28,6 +34,7 @@ import time
 import numpy as np
 
 GEN_VARIANTS = ("eager-fp32", "openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16")
+COMPILED_VARIANTS = ("autocast-inductor-static", "amp-static")
 OPTIMUM_VARIANTS = ("optimum-bf16", "optimum-f32")
 
 
@@ -101,34 +108,79 @@ def _ov_generate(request, ids, mask, new_tokens: int) -> tuple[np.ndarray, float
     return np.concatenate(out, 1), times[0], times[1:]
 
 
-def _eager_generate(model, ids, mask, new_tokens: int) -> tuple[np.ndarray, float, list[float]]:
-    """transformers' generate(); later tokens timed as (all - first) / (n - 1)."""
+class _TokenClock:
+    """A generate() streamer that stamps what it is given: the prompt, then each new token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _torch_generate(model, ids, mask, new_tokens: int, *, static=False, autocast=False):
+    """transformers' generate(), greedy: (tokens, first token seconds, later tokens' seconds)."""
+    import contextlib
+
     import torch
     import transformers
 
-    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    config = transformers.GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static" if static else None
+    )
     model.generation_config.eos_token_id = None
-    feeds = dict(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask))
-    with torch.no_grad():
+    clock = _TokenClock()
+    low = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.no_grad(), low:
         t = time.perf_counter()
-        model.generate(**feeds, generation_config=transformers.GenerationConfig(max_new_tokens=1, do_sample=False))
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        out = model.generate(**feeds, generation_config=config)
-        total = time.perf_counter() - t
-    per = max(total - first, 0.0) / max(new_tokens - 1, 1)
-    return out[:, ids.shape[1] :].numpy(), first, [per] * (new_tokens - 1)
+        out = model.generate(
+            input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), generation_config=config,
+            streamer=clock,
+        )  # fmt: skip
+    new = clock.stamps[1:]  # the first stamp is the prompt's
+    return out[:, ids.shape[1] :].numpy(), new[0] - t, list(np.diff(new))
+
+
+def _compiled(model, kind: str):
+    """A copy of ``model`` whose forward ``kind`` compiles, and amp's backend (or None)."""
+    import copy
+
+    import torch
+
+    from amp_compiler import AmpBackend
+
+    compiled = copy.deepcopy(model)
+    backend = AmpBackend(dtype="bf16") if kind == "amp-static" else "inductor"
+    compiled.forward = torch.compile(compiled.forward, backend=backend)
+    return compiled, backend if kind == "amp-static" else None
+
+
+ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1}
+
+
+def _cache_held(kind: str, request, layout) -> dict:
+    """The precision a variant holds its KV cache in, and its bytes per token (u8: the values
+    only; OpenVINO keeps a scale and zero point per token and head beside them)."""
+    if request is not None:
+        precision = request.get_compiled_model().get_property("KV_CACHE_PRECISION").to_string()
+    else:  # transformers' caches (dynamic or static) are the model's dtype, FP32 here
+        precision = "f32"
+    values = 2 * layout.layers * layout.kv_heads * layout.head_dim
+    return {"precision": precision, "bytes_per_token": values * ELEMENT_BYTES.get(precision, 0)}
 
 
 def run_generation(args, folder: str) -> dict:
     import torch
 
     from amp_compiler.onnx_export import export_decoder, native_bf16
-    from amp_compiler.onnx_export.generation import compare_tokens
+    from amp_compiler.onnx_export.generation import cache_layout, compare_tokens
 
     torch.set_num_threads(args.threads)
     model = llama_for(args.d, args.layers, args.vocab)
-    every = GEN_VARIANTS + (OPTIMUM_VARIANTS if args.optimum else ())
+    every = GEN_VARIANTS + COMPILED_VARIANTS + (OPTIMUM_VARIANTS if args.optimum else ())
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(every)
     bad = [v for v in wanted if v not in every]
     if bad:
@@ -154,18 +206,32 @@ def run_generation(args, folder: str) -> dict:
         "optimum-f32": lambda: _optimum_runner(args.optimum, False, args.threads),
     }
     requests = {k: runners[k]() for k in kinds if k in runners}
+    compiled = {k: _compiled(model, k) for k in kinds if k in COMPILED_VARIANTS}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.batches) * 4)
+
+    def generate(k, ids, mask):
+        if k in compiled:
+            return _torch_generate(compiled[k][0], ids, mask, args.new_tokens, static=True, autocast=k != "amp-static")
+        return _torch_generate(model, ids, mask, args.new_tokens)
+
     results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
     results["cache_bytes_per_token"] = layout and 2 * layout.layers * layout.kv_heads * layout.head_dim * 4
+    results["cache"] = {k: _cache_held(k, requests.get(k), cache_layout(model)) for k in kinds}
     cases = {}
     for batch in args.batches:
         for length in args.prompt_lengths:
             ids, mask = _prompts(batch, length, args.vocab)
             runs = {k: [] for k in kinds}
-            reference = _eager_generate(model, ids, mask, args.new_tokens)[0]
+            reference = _torch_generate(model, ids, mask, args.new_tokens)[0]
+            compile_s = {}
+            for k in compiled:  # compiles for this case's shapes, untimed
+                t = time.perf_counter()
+                generate(k, ids, mask)
+                compile_s[k] = time.perf_counter() - t
             for _ in range(args.gen_reps):  # interleaved: drift lands on every variant
                 for k in kinds:
-                    if k == "eager-fp32":
-                        runs[k].append(_eager_generate(model, ids, mask, args.new_tokens))
+                    if k == "eager-fp32" or k in compiled:
+                        runs[k].append(generate(k, ids, mask))
                     else:
                         _ov_generate(requests[k], ids, mask, 2)  # the previous runtime's threads go idle
                         runs[k].append(_ov_generate(requests[k], ids, mask, args.new_tokens))
@@ -175,23 +241,62 @@ def run_generation(args, folder: str) -> dict:
                     "per_token_ms": statistics.median(t for r in rs for t in r[2]) * 1e3,
                     "first_divergent_vs_fp32": (vs := compare_tokens(rs[0][0], reference))["first_divergent"],
                     "tokens_differing_vs_fp32": vs["tokens_differing"],
+                    **({"compile_s": compile_s[k]} if k in compile_s else {}),
                 }
                 for k, rs in runs.items()
             }
     results["cases"] = cases
+    for k, (_, backend) in compiled.items():
+        if backend is not None:  # what amp planned for the graphs generate() ran
+            nodes = [r.plan.summary()["nodes"] for r in backend.records]
+            results.setdefault("amp_graphs", {})[k] = {"graphs": len(nodes), "low_ops": [n["LOW"] for n in nodes]}
     results["new_tokens"] = args.new_tokens
     return results
 
 
 def generation_table(results: dict) -> str:
-    lines = [f"model: {results['model']}", f"cache: {results.get('cache_bytes_per_token')} bytes per token (FP32)"]
+    lines = [f"model: {results['model']}"]
     lines += [f"skipped {k}: {why}" for k, why in results["skipped"].items()]
     lines += [
-        f"| batch x prompt | variant | first token ms | per token ms | first divergent of {results['new_tokens']} |",
-        "|---|---|---|---|---|",
+        f"| batch x prompt | variant | first token ms | per token ms | first divergent of {results['new_tokens']} "
+        "| cache bytes a token |",
+        "|---|---|---|---|---|---|",
     ]
     for case, by_kind in results["cases"].items():
         for k, r in by_kind.items():
             div = "-" if r["first_divergent_vs_fp32"] is None else r["first_divergent_vs_fp32"]
-            lines.append(f"| {case} | {k} | {r['first_token_ms']:.1f} | {r['per_token_ms']:.2f} | {div} |")
+            cache = results["cache"][k]
+            lines.append(
+                f"| {case} | {k} | {r['first_token_ms']:.1f} | {r['per_token_ms']:.2f} | {div} "
+                f"| {cache['bytes_per_token']} ({cache['precision']}) |"
+            )
+    for k, amp in results.get("amp_graphs", {}).items():
+        lines.append(f"{k}: amp planned {amp['graphs']} graphs, 16-bit ops {amp['low_ops']}")
     return "\n".join(lines)
+
+
+def generation_plot(results: dict, path: str) -> None:
+    """Two panels, each case a group of bars per variant: time to first token, per later token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(results["cases"])
+    kinds = list(dict.fromkeys(k for c in cases for k in results["cases"][c]))
+    fig, axes = plt.subplots(1, 2, figsize=(2.5 + 1.8 * len(cases), 4.2))
+    width = 0.8 / len(kinds)
+    for ax, key, label in zip(axes, ("first_token_ms", "per_token_ms"), ("first token (ms)", "each later token (ms)")):
+        for i, k in enumerate(kinds):
+            ys = [results["cases"][c].get(k, {}).get(key, 0) for c in cases]
+            ax.bar([j + i * width for j in range(len(cases))], ys, width, label=k)
+        ax.set_xticks(
+            [j + 0.4 - width / 2 for j in range(len(cases))], [f"{c} (batch x prompt)" for c in cases], fontsize=7
+        )
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+    m = results["machine"]
+    fig.suptitle(f"{results['model']}; {m['cpu_bf16']} CPU, {m['threads']} threads, {m['date']}", fontsize=9)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
