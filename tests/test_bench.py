@@ -245,6 +245,7 @@ def test_serve_bench_generation_mode_times_tokens_and_compares_them(tmp_path, ca
     pytest.importorskip("openvino")
     out = tmp_path / "gen.json"
     argv = ["--generate", "--d", "64", "--layers", "1", "--vocab", "128", "--batches", "2", "--prompt-lengths", "8"]
+    argv += ["--no-memory"]
     plot = tmp_path / "gen.png"
     assert (
         serve_bench.main(argv + ["--new-tokens", "6", "--gen-reps", "1", "--json", str(out), "--plot", str(plot)]) == 0
@@ -423,7 +424,8 @@ def test_serve_bench_serves_an_optimum_intel_export_beside_ours(tmp_path, capsys
     """--save-model writes the bench's model for optimum-cli (in a venv of its own);
     --optimum DIR serves that export's openvino_model.xml in the same loop. Here a stand-in
     with optimum-intel's interface (our FP32 decoder, made stateful: input_ids,
-    attention_mask, position_ids, beam_idx -> logits): its FP32 tokens are eager FP32's."""
+    attention_mask, position_ids, beam_idx -> logits): its FP32 tokens are eager FP32's; each
+    variant's peak memory is measured alone."""
     import serve_bench
 
     transformers = pytest.importorskip("transformers")
@@ -441,9 +443,14 @@ def test_serve_bench_serves_an_optimum_intel_export_beside_ours(tmp_path, capsys
     ov.save_model(stateful_model(str(tmp_path / "d.onnx"), report.layout), str(anchor / "openvino_model.xml"))
     out = tmp_path / "gen.json"
     argv = ["--generate", *size, "--batches", "2", "--prompt-lengths", "8", "--new-tokens", "6", "--gen-reps", "1"]
+    argv += ["--variants", "eager-fp32,optimum-f32"]
     assert serve_bench.main(argv + ["--optimum", str(anchor), "--json", str(out)]) == 0
-    case = json.loads(out.read_text())["cases"]["2x8"]
-    assert {"optimum-f32", "eager-fp32"} <= set(case)
+    result = json.loads(out.read_text())
+    case = result["cases"]["2x8"]
+    assert {"optimum-f32", "eager-fp32"} == set(case)
+    # each alone in a process of its own: the peak while generating, above what it set up
+    assert set(result["memory"]) == set(case) and result["memory_case"] == "2x8"
+    assert all(m["peak_bytes"] >= m["setup_bytes"] > 0 for m in result["memory"].values())
     assert case["optimum-f32"]["tokens_differing_vs_fp32"] == 0 and case["optimum-f32"]["per_token_ms"] > 0
     assert "| 2x8 | optimum-f32 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no openvino_model.xml"):

@@ -202,6 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--save-model", metavar="DIR", help="generation: write the bench's model here (for optimum-cli)")
     p.add_argument("--optimum", metavar="DIR", help="generation: optimum-intel's export of that model, served beside")
     p.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gen-rss-of", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_of:  # before torch is imported: an export's process never loads it
@@ -270,8 +272,10 @@ def main(argv=None) -> int:
 
 def _generate(args) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchkit.generation import generation_plot, generation_table, llama_for, run_generation
+    from benchkit.generation import generation_plot, generation_table, llama_for, run_generation, serve_once
 
+    if args.gen_rss_of:
+        return serve_once(args)
     if args.save_model:
         llama_for(args.d, args.layers, args.vocab).save_pretrained(args.save_model)
         print(f"wrote {args.save_model}: export it with optimum-cli in its own venv, then pass --optimum")

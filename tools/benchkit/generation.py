@@ -28,6 +28,7 @@ Tokens are compared with eager FP32's: the first divergent token over the prompt
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 import time
 
@@ -172,6 +173,79 @@ def _cache_held(kind: str, request, layout) -> dict:
     return {"precision": precision, "bytes_per_token": values * ELEMENT_BYTES.get(precision, 0)}
 
 
+def _resident(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def serve_once(args) -> int:
+    """The memory child: set ``args.gen_rss_of`` up (load, compile, one generation), reset
+    the peak, generate the case again and print {"peak_bytes", "setup_bytes"}. Every child
+    imports torch, transformers and OpenVINO alike (optimum-intel's and our generate() import
+    them too), so the peaks differ by what each variant holds and computes."""
+    import json
+
+    import openvino  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+
+    from amp_compiler.onnx_export.generation import CacheLayout
+
+    torch.set_num_threads(args.threads)
+    kind, (batch, length) = args.gen_rss_of, (args.batches[0], args.prompt_lengths[0])
+    ids, mask = _prompts(batch, length, args.vocab)
+    if kind in ("eager-fp32", *COMPILED_VARIANTS):
+        model = llama_for(args.d, args.layers, args.vocab)
+        if kind in COMPILED_VARIANTS:
+            model = _compiled(model, kind)[0]
+
+        def run():
+            _torch_generate(
+                model, ids, mask, args.new_tokens, static=kind != "eager-fp32", autocast=kind != "amp-static"
+            )
+
+    else:
+        layout = CacheLayout(**json.loads(args.layout)) if args.layout else None
+        own = kind in ("openvino-own-bf16", "optimum-bf16")
+        request = (
+            _optimum_runner(args.optimum, own, args.threads)
+            if kind.startswith("optimum")
+            else _ov_runner(args.artifact, layout, own, args.threads)
+        )
+
+        def run():
+            _ov_generate(request, ids, mask, args.new_tokens)
+
+    run()
+    setup = _resident("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak from here on: serving, not setting up
+        f.write("5")
+    run()
+    print(json.dumps({"peak_bytes": _resident("VmHWM"), "setup_bytes": setup}))
+    return 0
+
+
+def memory_of(kind: str, args, artifact: str | None, layout) -> dict:
+    """``serve_once`` for ``kind`` in a process of its own, serving the largest case."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    tool = str(pathlib.Path(__file__).resolve().parents[1] / "serve_bench.py")
+    cmd = [sys.executable, tool, "--generate", "--gen-rss-of", kind, "--d", str(args.d), "--layers", str(args.layers)]
+    cmd += ["--vocab", str(args.vocab), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--batches", str(max(args.batches)), "--prompt-lengths", str(max(args.prompt_lengths))]
+    if artifact:
+        cmd += ["--artifact", artifact, "--layout", json.dumps(dataclasses.asdict(layout))]
+    if args.optimum:
+        cmd += ["--optimum", args.optimum]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        raise RuntimeError(f"{kind}: the memory run failed: {res.stderr[-1500:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def run_generation(args, folder: str) -> dict:
     import torch
 
@@ -246,6 +320,10 @@ def run_generation(args, folder: str) -> dict:
                 for k, rs in runs.items()
             }
     results["cases"] = cases
+    if not args.no_memory:  # each variant alone, in a process of its own
+        paths = {"openvino-fp32": fp32_path, "openvino-own-bf16": fp32_path, "openvino-amp-bf16": bf16_path}
+        results["memory_case"] = f"{max(args.batches)}x{max(args.prompt_lengths)}"
+        results["memory"] = {k: memory_of(k, args, paths.get(k), layout) for k in kinds}
     for k, (_, backend) in compiled.items():
         if backend is not None:  # what amp planned for the graphs generate() ran
             nodes = [r.plan.summary()["nodes"] for r in backend.records]
@@ -270,6 +348,11 @@ def generation_table(results: dict) -> str:
                 f"| {case} | {k} | {r['first_token_ms']:.1f} | {r['per_token_ms']:.2f} | {div} "
                 f"| {cache['bytes_per_token']} ({cache['precision']}) |"
             )
+    for k, m in results.get("memory", {}).items():
+        lines.append(
+            f"{k}: peak {m['peak_bytes'] / 2**20:.0f} MiB serving {results['memory_case']} alone "
+            f"({(m['peak_bytes'] - m['setup_bytes']) / 2**20:.0f} MiB above its set-up)"
+        )
     for k, amp in results.get("amp_graphs", {}).items():
         lines.append(f"{k}: amp planned {amp['graphs']} graphs, 16-bit ops {amp['low_ops']}")
     return "\n".join(lines)
