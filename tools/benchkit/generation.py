@@ -367,19 +367,18 @@ def generation_plot(results: dict, path: str) -> None:
 
     cases = list(results["cases"])
     kinds = list(dict.fromkeys(k for c in cases for k in results["cases"][c]))
-    fig, axes = plt.subplots(1, 2, figsize=(2.5 + 1.8 * len(cases), 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(3 + 2.2 * len(cases), 4.8))
     width = 0.8 / len(kinds)
     for ax, key, label in zip(axes, ("first_token_ms", "per_token_ms"), ("first token (ms)", "each later token (ms)")):
         for i, k in enumerate(kinds):
             ys = [results["cases"][c].get(k, {}).get(key, 0) for c in cases]
             ax.bar([j + i * width for j in range(len(cases))], ys, width, label=k)
-        ax.set_xticks(
-            [j + 0.4 - width / 2 for j in range(len(cases))], [f"{c} (batch x prompt)" for c in cases], fontsize=7
-        )
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases)
+        ax.set_xlabel("batch x prompt")
         ax.set_ylabel(label)
         ax.set_yscale("log")
     m = results["machine"]
     fig.suptitle(f"{results['model']}; {m['cpu_bf16']} CPU, {m['threads']} threads, {m['date']}", fontsize=9)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
