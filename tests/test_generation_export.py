@@ -159,8 +159,8 @@ def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path)
 def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     """BF16 from the plan on OpenVINO: matmuls ran in BF16, norms in FP32 (read back from the
     compiled model), attention fused with a BF16 cache that OpenVINO holds (half FP32's
-    bytes; the softmax inside the fused kernel in f32), rotary fused in FP32; where its tokens first leave FP32's is
-    reported, and an FP32 control run of the same graph differs."""
+    bytes; the softmax inside the fused kernel in f32), rotary fused in FP32; where its
+    tokens first leave FP32's is reported, and an FP32 control run of the same graph differs."""
     import json
 
     import onnx
@@ -366,7 +366,10 @@ def test_generate_over_a_bf16_export_runs_the_plan(tmp_path):
     model, path = FAMILIES["qwen2"](), str(tmp_path / "d.onnx")
     export_decoder(model, path, new_tokens=8)
     lm = CausalLM(path, model.config)
-    assert lm.decoder.executed["low_nodes_16bit"] > 0 and "RMS f32" in lm.decoder.executed["layers"]
+    layers = lm.decoder.executed["layers"]
+    # the norms in FP32, fused (RMS) or, where an older OpenVINO does not fuse them, reduced
+    assert lm.decoder.executed["low_nodes_16bit"] > 0 and ("RMS f32" in layers or "Reduce f32" in layers)
+    assert "RMS bf16" not in layers and "Reduce bf16" not in layers
     ids, mask = example_prompts(100, seed=7)
     got = _generate(lm, ids, mask)[:, ids.shape[1] :].numpy()
     np.testing.assert_array_equal(got, Decoder(path).generate(ids, mask, 12))

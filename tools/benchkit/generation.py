@@ -145,6 +145,12 @@ def _torch_generate(model, ids, mask, new_tokens: int, *, static=False, autocast
     return out[:, ids.shape[1] :].numpy(), new[0] - t, list(np.diff(new))
 
 
+def _how(kind: str) -> dict:
+    """How a PyTorch variant calls generate(): the compiled ones with a static cache, one under
+    torch.autocast."""
+    return {"static": kind in COMPILED_VARIANTS, "autocast": kind == "autocast-inductor-static"}
+
+
 def _compiled(model, kind: str):
     """A copy of ``model`` whose forward ``kind`` compiles, and amp's backend (or None)."""
     import copy
@@ -200,9 +206,7 @@ def serve_once(args) -> int:
             model = _compiled(model, kind)[0]
 
         def run():
-            _torch_generate(
-                model, ids, mask, args.new_tokens, static=kind != "eager-fp32", autocast=kind != "amp-static"
-            )
+            _torch_generate(model, ids, mask, args.new_tokens, **_how(kind))
 
     else:
         layout = CacheLayout(**json.loads(args.layout)) if args.layout else None
@@ -281,12 +285,14 @@ def run_generation(args, folder: str) -> dict:
     }
     requests = {k: runners[k]() for k in kinds if k in runners}
     compiled = {k: _compiled(model, k) for k in kinds if k in COMPILED_VARIANTS}
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.batches) * 4)
+    # a prompt and a later token per case, and Dynamo's first recompile before it turns dynamic
+    shapes = len(args.batches) * len(args.prompt_lengths)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * shapes)
 
     def generate(k, ids, mask):
         if k in compiled:
-            return _torch_generate(compiled[k][0], ids, mask, args.new_tokens, static=True, autocast=k != "amp-static")
-        return _torch_generate(model, ids, mask, args.new_tokens)
+            return _torch_generate(compiled[k][0], ids, mask, args.new_tokens, **_how(k))
+        return _torch_generate(model, ids, mask, args.new_tokens, **_how(k))
 
     results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
     results["cache_bytes_per_token"] = layout and 2 * layout.layers * layout.kv_heads * layout.head_dim * 4
