@@ -469,7 +469,11 @@ def test_generation_closeness_tool_trains_exports_and_measures_every_form(tmp_pa
     assert gc_.main(["train", str(folder), "--steps", "2", "--d", "32", "--layers", "1"]) == 0
     assert gc_.main(["measure", str(folder), "--json", str(tmp_path / "c.json")]) == 0
     forms = json.loads((tmp_path / "c.json").read_text())["forms"]
-    assert set(forms) == {"openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16", "openvino-amp-bf16-fp32-head"}
+    assert set(forms) == {
+        "openvino-fp32", "openvino-own-bf16", "openvino-amp-bf16", "openvino-amp-bf16-fp32-head",
+        "openvino-amp-bf16-fp32-head-attention",
+    }  # fmt: skip
+    assert all(f["prefill_ms"] > 0 and f["per_token_ms"] > 0 for f in forms.values())
     fp32 = forms["openvino-fp32"]
     assert fp32["kl_to_fp32"] < 1e-9 and fp32["top1_agreement"] == 1.0 and fp32["greedy_tokens_differing"] == 0
     assert all(f["kl_to_fp32"] >= 0 and 0 < f["top1_agreement"] <= 1 for f in forms.values())

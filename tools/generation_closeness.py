@@ -8,12 +8,14 @@
 The decoder is examples/common.py's Llama (d=256, 4 layers, grouped-query attention) trained
 on Python's reference documentation by words, as tools/convergence.py trains it. Forms, all on
 stateful OpenVINO: our FP32 export (hint f32, FP32 cache); the same with OpenVINO's defaults
-(its own BF16, a u8 cache); our BF16 export (the plan), and the same with ``lm_head`` pinned
-FP32 (``fp32_modules``); optimum-intel's export with its defaults and with hint f32
-(``--optimum``). On held-out rows of 64 tokens: the next-token
+(its own BF16, a u8 cache); our BF16 export (the plan), the same with ``lm_head`` pinned FP32
+and with ``lm_head`` and attention pinned (``fp32_modules``); optimum-intel's export with its
+defaults and with hint f32 (``--optimum``). On held-out rows of 64 tokens: the next-token
 KL(FP32 || form) averaged over every position, top-1 agreement with FP32 and the mean NLL,
 all from one prefill of each row; then greedy generation of 32 tokens after each row's first
-32, against eager FP32's: the first divergent token and the share that differ.
+32, against eager FP32's: the first divergent token and the share that differ. Beside them
+the time of that prefill (8 rows of 64) and of each later token of one row, the forms
+interleaved, medians of five: how close, and at what cost.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -82,6 +86,11 @@ def closeness(logits: np.ndarray, reference: np.ndarray, rows: np.ndarray) -> di
     return {"kl_to_fp32": float(kl), "top1_agreement": float(agree), "nll": float(nll)}
 
 
+# the plan with modules pinned FP32 (``fp32_modules``): the head; the head and attention
+PINNED = {"bf16-fp32-head": ("lm_head",), "bf16-fp32-head-attention": ("lm_head", "self_attn$")}
+REPS = 5
+
+
 def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
     import transformers
     from benchkit.generation import _optimum_runner, _ov_generate, _ov_runner, _torch_generate
@@ -92,15 +101,18 @@ def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     rows = np.load(folder / "held_out.npy")[:8]
-    fp32, bf16, head = (str(folder / f"amp-{k}.onnx") for k in ("fp32", "bf16", "bf16-fp32-head"))
-    layout = export_decoder(model, fp32, dtype="fp32", target="openvino", new_tokens=8).layout
-    export_decoder(model, bf16, dtype="bf16", target="openvino", new_tokens=8)
-    export_decoder(model, head, dtype="bf16", target="openvino", new_tokens=8, options={"fp32_modules": ("lm_head",)})
+    paths = {k: str(folder / f"amp-{k}.onnx") for k in ("fp32", "bf16", *PINNED)}
+    layout = export_decoder(model, paths["fp32"], dtype="fp32", target="openvino", new_tokens=8).layout
+    export_decoder(model, paths["bf16"], dtype="bf16", target="openvino", new_tokens=8)
+    for name, pins in PINNED.items():
+        export_decoder(
+            model, paths[name], dtype="bf16", target="openvino", new_tokens=8, options={"fp32_modules": pins}
+        )
     forms = {
-        "openvino-fp32": lambda: _ov_runner(fp32, layout, False, threads),
-        "openvino-own-bf16": lambda: _ov_runner(fp32, layout, True, threads),
-        "openvino-amp-bf16": lambda: _ov_runner(bf16, layout, False, threads),
-        "openvino-amp-bf16-fp32-head": lambda: _ov_runner(head, layout, False, threads),
+        "openvino-fp32": lambda: _ov_runner(paths["fp32"], layout, False, threads),
+        "openvino-own-bf16": lambda: _ov_runner(paths["fp32"], layout, True, threads),
+        "openvino-amp-bf16": lambda: _ov_runner(paths["bf16"], layout, False, threads),
+        **{f"openvino-amp-{k}": (lambda k=k: _ov_runner(paths[k], layout, False, threads)) for k in PINNED},
     }
     if optimum:
         forms["optimum-bf16"] = lambda: _optimum_runner(optimum, True, threads)
@@ -110,12 +122,21 @@ def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
     prompts, mask = rows[:, :32], np.ones_like(rows[:, :32])
     greedy = _torch_generate(model, prompts, mask, 32)[0]
     out = {"rows": rows.shape, "eager_fp32_nll": closeness(reference, reference, rows)["nll"], "forms": {}}
-    for name, make in forms.items():
-        request = make()
+    requests = {name: make() for name, make in forms.items()}
+    prefill, later = {name: [] for name in forms}, {name: [] for name in forms}
+    for _ in range(REPS):  # interleaved, as serve_bench times: drift lands on every form
+        for name, request in requests.items():
+            t = time.perf_counter()
+            _prefill_logits(request, rows)
+            prefill[name].append(time.perf_counter() - t)
+            later[name] += _ov_generate(request, prompts[:1], mask[:1], 16)[2]
+    for name, request in requests.items():
         tokens = _ov_generate(request, prompts, mask, 32)[0]
         out["forms"][name] = {
             **closeness(_prefill_logits(request, rows), reference, rows),
             **{f"greedy_{k}": v for k, v in compare_tokens(tokens, greedy).items()},
+            "prefill_ms": statistics.median(prefill[name]) * 1e3,
+            "per_token_ms": statistics.median(later[name]) * 1e3,
         }
     return out
 
@@ -123,14 +144,15 @@ def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
 def table(result: dict) -> str:
     lines = [
         f"held-out rows {tuple(result['rows'])}; eager FP32 NLL {result['eager_fp32_nll']:.4f}",
-        "| form | KL to FP32 | top-1 agreement | NLL | greedy: first divergent | tokens differing |",
-        "|---|---|---|---|---|---|",
+        "| form | KL to FP32 | top-1 agreement | NLL | greedy: first divergent | tokens differing "
+        "| prefill 8 x 64 ms | per later token ms (1 row) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["forms"].items():
         first = "-" if r["greedy_first_divergent"] is None else r["greedy_first_divergent"]
         lines.append(
             f"| {name} | {r['kl_to_fp32']:.2e} | {r['top1_agreement']:.2%} | {r['nll']:.4f} | {first} | "
-            f"{r['greedy_tokens_differing']} |"
+            f"{r['greedy_tokens_differing']} | {r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} |"
         )
     return "\n".join(lines)
 
