@@ -78,6 +78,19 @@ def _ov_runner(path: str, layout, own: bool, threads: int):
     return compiled.create_infer_request()
 
 
+# which of our exports each OpenVINO variant serves (the file's stem)
+ARTIFACTS = {"openvino-fp32": "fp32", "openvino-own-bf16": "fp32", "openvino-amp-bf16": "bf16"}
+
+
+def _request(kind: str, folder: str | None, layout, optimum: str | None, threads: int):
+    """The OpenVINO request ``kind`` serves: our export in ``folder`` or optimum-intel's, with
+    the settings beside it or OpenVINO's defaults (the ``own`` and ``optimum-bf16`` forms)."""
+    own = kind in ("openvino-own-bf16", "optimum-bf16")
+    if kind in OPTIMUM_VARIANTS:
+        return _optimum_runner(optimum, own, threads)
+    return _ov_runner(f"{folder}/{ARTIFACTS[kind]}.onnx", layout, own, threads)
+
+
 def _optimum_runner(folder: str, own: bool, threads: int):
     """A request on optimum-intel's stateful export in ``folder`` (``openvino_model.xml``)."""
     from amp_compiler.onnx_export.openvino import _core
@@ -168,7 +181,7 @@ def _compiled(model, kind: str):
 ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1}
 
 
-def _cache_held(kind: str, request, layout) -> dict:
+def _cache_held(request, layout) -> dict:
     """The precision a variant holds its KV cache in, and its bytes per token (u8: the values
     only; OpenVINO keeps a scale and zero point per token and head beside them)."""
     if request is not None:
@@ -210,12 +223,7 @@ def serve_once(args) -> int:
 
     else:
         layout = CacheLayout(**json.loads(args.layout)) if args.layout else None
-        own = kind in ("openvino-own-bf16", "optimum-bf16")
-        request = (
-            _optimum_runner(args.optimum, own, args.threads)
-            if kind.startswith("optimum")
-            else _ov_runner(args.artifact, layout, own, args.threads)
-        )
+        request = _request(kind, args.artifact, layout, args.optimum, args.threads)
 
         def run():
             _ov_generate(request, ids, mask, args.new_tokens)
@@ -229,7 +237,7 @@ def serve_once(args) -> int:
     return 0
 
 
-def memory_of(kind: str, args, artifact: str | None, layout) -> dict:
+def memory_of(kind: str, args, folder: str, layout) -> dict:
     """``serve_once`` for ``kind`` in a process of its own, serving the largest case."""
     import dataclasses
     import json
@@ -240,8 +248,8 @@ def memory_of(kind: str, args, artifact: str | None, layout) -> dict:
     cmd = [sys.executable, tool, "--generate", "--gen-rss-of", kind, "--d", str(args.d), "--layers", str(args.layers)]
     cmd += ["--vocab", str(args.vocab), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
     cmd += ["--batches", str(max(args.batches)), "--prompt-lengths", str(max(args.prompt_lengths))]
-    if artifact:
-        cmd += ["--artifact", artifact, "--layout", json.dumps(dataclasses.asdict(layout))]
+    if kind in ARTIFACTS:  # the exports' folder
+        cmd += ["--artifact", folder, "--layout", json.dumps(dataclasses.asdict(layout))]
     if args.optimum:
         cmd += ["--optimum", args.optimum]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -269,34 +277,21 @@ def run_generation(args, folder: str) -> dict:
             if v in wanted:
                 skipped[v] = "no native BF16 on this CPU: OpenVINO would compute in FP32"
     kinds = [v for v in wanted if v not in skipped]
-    fp32_path, bf16_path = f"{folder}/fp32.onnx", f"{folder}/bf16.onnx"
-    exports = {}
-    if {"openvino-fp32", "openvino-own-bf16"} & set(kinds):
-        exports["fp32"] = export_decoder(model, fp32_path, dtype="fp32", target="openvino", new_tokens=8)
-    if "openvino-amp-bf16" in kinds:
-        exports["bf16"] = export_decoder(model, bf16_path, dtype="bf16", target="openvino", new_tokens=8)
-    layout = next(iter(exports.values())).layout if exports else None
-    runners = {
-        "openvino-fp32": lambda: _ov_runner(fp32_path, layout, False, args.threads),
-        "openvino-own-bf16": lambda: _ov_runner(fp32_path, layout, True, args.threads),
-        "openvino-amp-bf16": lambda: _ov_runner(bf16_path, layout, False, args.threads),
-        "optimum-bf16": lambda: _optimum_runner(args.optimum, True, args.threads),
-        "optimum-f32": lambda: _optimum_runner(args.optimum, False, args.threads),
-    }
-    requests = {k: runners[k]() for k in kinds if k in runners}
+    for dtype in dict.fromkeys(ARTIFACTS[k] for k in kinds if k in ARTIFACTS):
+        export_decoder(model, f"{folder}/{dtype}.onnx", dtype=dtype, target="openvino", new_tokens=8)
+    layout = cache_layout(model)
+    served = (*ARTIFACTS, *OPTIMUM_VARIANTS)
+    requests = {k: _request(k, folder, layout, args.optimum, args.threads) for k in kinds if k in served}
     compiled = {k: _compiled(model, k) for k in kinds if k in COMPILED_VARIANTS}
     # a prompt and a later token per case, and Dynamo's first recompile before it turns dynamic
     shapes = len(args.batches) * len(args.prompt_lengths)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * shapes)
 
     def generate(k, ids, mask):
-        if k in compiled:
-            return _torch_generate(compiled[k][0], ids, mask, args.new_tokens, **_how(k))
-        return _torch_generate(model, ids, mask, args.new_tokens, **_how(k))
+        return _torch_generate(compiled[k][0] if k in compiled else model, ids, mask, args.new_tokens, **_how(k))
 
     results = {"skipped": skipped, "model": f"Llama-style d={args.d} x {args.layers} layers, vocab {args.vocab}"}
-    results["cache_bytes_per_token"] = layout and 2 * layout.layers * layout.kv_heads * layout.head_dim * 4
-    results["cache"] = {k: _cache_held(k, requests.get(k), cache_layout(model)) for k in kinds}
+    results["cache"] = {k: _cache_held(requests.get(k), layout) for k in kinds}
     cases = {}
     for batch in args.batches:
         for length in args.prompt_lengths:
@@ -327,9 +322,8 @@ def run_generation(args, folder: str) -> dict:
             }
     results["cases"] = cases
     if not args.no_memory:  # each variant alone, in a process of its own
-        paths = {"openvino-fp32": fp32_path, "openvino-own-bf16": fp32_path, "openvino-amp-bf16": bf16_path}
         results["memory_case"] = f"{max(args.batches)}x{max(args.prompt_lengths)}"
-        results["memory"] = {k: memory_of(k, args, paths.get(k), layout) for k in kinds}
+        results["memory"] = {k: memory_of(k, args, folder, layout) for k in kinds}
     for k, (_, backend) in compiled.items():
         if backend is not None:  # what amp planned for the graphs generate() ran
             nodes = [r.plan.summary()["nodes"] for r in backend.records]
