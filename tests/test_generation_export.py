@@ -159,8 +159,11 @@ def test_stateful_openvino_keeps_the_cache_and_reorders_it_by_beam_idx(tmp_path)
 def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     """BF16 from the plan on OpenVINO: matmuls ran in BF16, norms in FP32 (read back from the
     compiled model), attention fused with a BF16 cache that OpenVINO holds (half FP32's
-    bytes; the softmax inside the fused kernel in f32), rotary fused in FP32; where its
-    tokens first leave FP32's is reported, and an FP32 control run of the same graph differs."""
+    bytes; the softmax inside the fused kernel in f32), rotary fused; where its tokens first
+    leave FP32's is reported, and an FP32 control run of the same graph differs. Served as
+    the stateful model written beside the file: under OpenVINO's BF16 hint, the logits the
+    FP32 sums of their BF16 GEMM, every other FP32 value of the plan written in f32 (norms,
+    rotary and SiLU computing in f32 inside kernels that read and write BF16, counted)."""
     import json
 
     import onnx
@@ -176,6 +179,10 @@ def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     assert g["first_divergent"] is None or 0 <= g["first_divergent"] < NEW
     assert "generation: prompts 2" in report.format()
     served = Decoder(path)  # stateful, as served
+    assert report.served_path == ov_serving.served_path(path) and "served as" in report.format()
+    assert served.executed["logits"] == "FullyConnected bf16 f32"
+    norms = "MVN f32" in served.executed["layers"] or served.executed["fp32_math_16bit_io"] >= 2
+    assert norms and "Reduce bf16" not in served.executed["layers"]
     if not attention_fuses_here():  # attention written out: softmax FP32 as its own layer
         assert "Softmax f32" in served.executed["layers"] and "Softmax bf16" not in served.executed["layers"]
         return
@@ -187,8 +194,42 @@ def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     layers = report.layout.layers
     assert f"ScaledDotProductAttention bf16 x{layers}" in served.executed["layers"]
     assert "Softmax" not in served.executed["layers"] and "MatMul" not in served.executed["layers"]
-    if family != "gpt2":  # rotary in FP32 as the plan has it, fused (``widen_first``): queries and keys
-        assert f"RoPE f32 x{2 * layers}" in served.executed["layers"]
+    if family != "gpt2":  # rotary fused (``widen_first``): queries and keys; FP32 as planned on the ONNX file
+        assert f"RoPE bf16 x{2 * layers}" in served.executed["layers"]
+        compiled, executed = ov_serving.compile_openvino(path)
+        assert f"RoPE f32 x{2 * layers}" in executed["layers"]
+
+
+@native_only
+def test_the_served_decoder_keeps_fp32_where_the_plan_does_because_it_is_marked(tmp_path):
+    """Under OpenVINO's BF16 hint only the marks keep the plan's FP32 nodes (the residual
+    stream's adds) in f32: the served model read without them is refused by name; the file
+    made from another export is refused; an FP32 export over the same path takes the BF16
+    one's served model away."""
+    import shutil
+
+    model, path = FAMILIES["llama"](), str(tmp_path / "d.onnx")
+    report = export_decoder(model, path, new_tokens=4)
+    served = report.served_path
+    text = open(served).read()
+    assert text.count('<attribute name="precise"') > 2 * report.layout.layers
+    unmarked = str(tmp_path / "unmarked.xml")
+    with open(unmarked, "w") as f:
+        f.write(text.replace('<attribute name="precise" version="0" />', ""))
+    shutil.copy(served[:-4] + ".bin", unmarked[:-4] + ".bin")
+    with pytest.raises(ExportError, match=r"node_add\w* \(FP32 in the plan\) runs as Eltwise, writing bf16"):
+        ov_serving._compiled(path, None, True, lambda core: core.read_model(unmarked), pinned=True)
+
+    other = str(tmp_path / "other.onnx")
+    export_decoder(FAMILIES["qwen2"](), other, check=False)
+    shutil.copy(ov_serving.served_path(other), served)
+    shutil.copy(ov_serving.served_path(other)[:-4] + ".bin", served[:-4] + ".bin")
+    with pytest.raises(ExportError, match="was not made from .*export again"):
+        Decoder(path)
+
+    export_decoder(model, path, dtype="fp32", target="openvino", new_tokens=4)
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith("d.openvino.") and f.suffix in (".xml", ".bin")]
+    assert "logits" not in Decoder(path).executed  # the ONNX file, served as it is
 
 
 def test_a_model_without_a_cache_is_refused_with_what_to_use(tmp_path):
@@ -366,10 +407,12 @@ def test_generate_over_a_bf16_export_runs_the_plan(tmp_path):
     model, path = FAMILIES["qwen2"](), str(tmp_path / "d.onnx")
     export_decoder(model, path, new_tokens=8)
     lm = CausalLM(path, model.config)
-    layers = lm.decoder.executed["layers"]
-    # the norms in FP32, fused (RMS) or, where an older OpenVINO does not fuse them, reduced
-    assert lm.decoder.executed["low_nodes_16bit"] > 0 and ("RMS f32" in layers or "Reduce f32" in layers)
-    assert "RMS bf16" not in layers and "Reduce bf16" not in layers
+    executed = lm.decoder.executed
+    # the norms in FP32: fused (RMS, computing in f32 on BF16 in and out) or, where an older
+    # OpenVINO does not fuse them, reduced in f32
+    assert executed["low_nodes_16bit"] > 0 and "Reduce bf16" not in executed["layers"]
+    assert executed["fp32_math_16bit_io"] >= 5 or "Reduce f32" in executed["layers"]
+    assert executed["logits"] == "FullyConnected bf16 f32"
     ids, mask = example_prompts(100, seed=7)
     got = _generate(lm, ids, mask)[:, ids.shape[1] :].numpy()
     np.testing.assert_array_equal(got, Decoder(path).generate(ids, mask, 12))

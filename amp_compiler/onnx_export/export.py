@@ -135,10 +135,12 @@ def export_checked(
     more_checks: Callable[[str, ExportReport], None] | None = None,
     simplify: Callable[[str], None] | None = None,
     fused_attention: bool = False,
+    beside: Callable[[str], None] | None = None,
 ) -> ExportReport:
     """``export_onnx``, with the graph's inputs and outputs named ``io_names`` (ONNX's names
     for the flattened inputs, outputs), ``simplify(file)`` rewriting the written file in place
-    before the checks, and ``more_checks(file, report)`` run on it after them, before it is
+    before the checks, ``beside(file)`` writing more files beside it (they move into place
+    with it), and ``more_checks(file, report)`` run on it after the checks, before it is
     moved into place (raising ExportError keeps it out)."""
     _validate(dtype, target)
     if target == "openvino" and dtype == "bf16" and check:
@@ -192,6 +194,8 @@ def export_checked(
             )
             if target == "openvino":
                 report.settings_path = write_settings(tmp_path)
+            if beside is not None:
+                beside(tmp_path)
             if check:
                 report.structure = check_structure(tmp_path, dtype, target, plan)
                 names = io_names[0] if io_names else None

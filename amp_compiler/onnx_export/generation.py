@@ -21,6 +21,7 @@ the same tokens; a 16-bit one reports where it first leaves them.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,16 @@ import torch
 from ..policy import LOW_DTYPES
 from .base import ExportError
 from .export import ExportReport, export_checked
-from .openvino import as_float32, attention_fuses_here, fusable_attention, openvino_feeds
+from .openvino import (
+    as_float32,
+    attention_fuses_here,
+    compile_stateful,
+    fusable_attention,
+    native_bf16,
+    openvino_feeds,
+    served_path,
+    write_served,
+)
 from .parity import ort_cuda
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -163,6 +173,8 @@ def example_prompts(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 class DecoderReport(ExportReport):
     layout: CacheLayout | None = None
     generation: dict[str, Any] = field(default_factory=dict)
+    served_path: str | None = None  # the stateful OpenVINO model a 16-bit export is served as
+    not_served: str | None = None  # why a 16-bit export for OpenVINO is served as the ONNX file
 
     def format(self) -> str:
         lines = [super().format()]
@@ -173,6 +185,13 @@ class DecoderReport(ExportReport):
             )
         if self.generation:
             lines.append("  generation: " + ", ".join(f"{k} {v}" for k, v in self.generation.items()))
+        if self.served_path:
+            lines.append(
+                f"  served as {self.served_path} (stateful; its FP32 nodes pinned under OpenVINO's BF16 "
+                f"hint): Decoder({self.path!r}), or openvino.Core().compile_model({self.served_path!r}, 'CPU')"
+            )
+        if self.not_served:
+            lines.append(f"  served as the ONNX file (hint f32): {self.not_served}")
         return "\n".join(lines)
 
 
@@ -248,6 +267,20 @@ def export_decoder(
                 f"({report.generation['tokens_differing']} of {want.size} differ): the graph is not the model's"
             )
 
+    # a 16-bit decoder for OpenVINO is served as a stateful model with its FP32 nodes pinned
+    serve, not_served = target == "openvino" and dtype != "fp32", []
+
+    def serve_beside(file: str) -> None:
+        served = write_served(file, layout)
+        if not native_bf16():
+            return  # checked where it is served
+        try:
+            compile_stateful(file, layout)
+        except ExportError as e:  # OpenVINO's BF16 hint would not keep this plan
+            for made in (served, os.path.splitext(served)[0] + ".bin"):
+                os.remove(made)
+            not_served.append(f"under OpenVINO's BF16 hint {e}")
+
     try:
         report = export_checked(
             CachedDecoder(model, cache_dtype),
@@ -266,12 +299,23 @@ def export_decoder(
             more_checks=generates if check else None,
             simplify=simplify,
             fused_attention=fused,
+            beside=serve_beside if serve else None,
         )
     except ExportError as e:
         if not fused:
             raise
         raise ExportError(f"{e} (attention fused for OpenVINO; opset=22 writes it out: MatMul, Softmax, MatMul)") from e
-    return DecoderReport(**vars(report), layout=layout)
+    served, serve = served_path(path), serve and not not_served
+    if not serve:  # an earlier export's served model would not be this file's
+        for stale in (served, os.path.splitext(served)[0] + ".bin"):
+            if os.path.exists(stale):
+                os.remove(stale)
+    return DecoderReport(
+        **vars(report),
+        layout=layout,
+        served_path=served if serve else None,
+        not_served=not_served[0] if not_served else None,
+    )
 
 
 def compare_tokens(got: np.ndarray, want: np.ndarray) -> dict[str, Any]:

@@ -29,6 +29,12 @@ SETTINGS = {"INFERENCE_PRECISION_HINT": "f32"}
 # Runtime layer types that must execute in FP32 whatever the ONNX node's name became
 # (LayerNormalization turns into MVN under a new name).
 FP32_RUNTIME_TYPES = frozenset({"MVN", "Softmax", "LogSoftmax", "NormalizeL2", "Reduce", "RMS"})
+# fused norms whose kernels load BF16 as f32, compute in f32 and round only what they write
+F32_MATH_RUNTIME_TYPES = frozenset({"RMS", "MVN"})
+# layers of a pinned model (``write_served``) that may read and write BF16 where the plan has
+# FP32 values: those norms, rotary (its kernel computes in f32 too), and a fused elementwise
+# Subgraph, which reports its inputs' precision
+PINNED_ROUNDED_IO = F32_MATH_RUNTIME_TYPES | {"RoPE", "Subgraph"}
 GEMM_RUNTIME_TYPES = frozenset({"FullyConnected", "MatMul", "Convolution", "Deconvolution"})
 # attention fused whole (its softmax in f32 inside the kernel), with or without the cache
 ATTENTION_RUNTIME_TYPES = frozenset({"ScaledDotProductAttention", "ScaledDotProductAttentionWithKVCache"})
@@ -115,31 +121,66 @@ def _low_onnx_nodes(model) -> tuple[list[str], list[str], set[str]]:
     return low_names, fp32_names, reads_low
 
 
-def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
+def _fp32_onnx_values(model, ops=None) -> list[str]:
+    """Names of the nodes (of ``ops`` types, where given) that write a float32 value."""
+    from onnx import TensorProto
+
+    types = value_types(model)
+    return [
+        n.name
+        for n in model.graph.node
+        if n.output and types.get(n.output[0]) == TensorProto.FLOAT and (ops is None or n.op_type in ops)
+    ]
+
+
+def _silu_nodes(model) -> set[str]:
+    """Names of the ``Mul(x, Sigmoid(x))`` nodes: OpenVINO's CPU plugin runs each as its own
+    SiLU layer, computing in f32 on what it loads, writing its inputs' precision."""
+    sigmoid_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Sigmoid"}
+    return {
+        n.name
+        for n in model.graph.node
+        if n.op_type == "Mul" and len(n.input) == 2 and any(sigmoid_of.get(a) == b for a, b in (n.input, n.input[::-1]))
+    }
+
+
+def executed_precision(compiled, onnx_model, nodes=None, pinned: bool = False) -> dict[str, Any]:
     """The precision each planned node runs in, read from OpenVINO's compiled (runtime) model.
 
     A 16-bit MatMul/Gemm/Conv must run in a 16-bit precision; no GEMM layer may run in f32
     under the name of a node that reads 16-bit values; a node the plan keeps FP32, and every
     normalisation/softmax/reduction layer, runs in f32. Raises ExportError otherwise.
     ``nodes``: ``_low_onnx_nodes(onnx_model)`` where the caller has it (shape inference).
+    ``pinned`` (``write_served``'s model): every FP32 value of the plan is written in f32,
+    but for the layers OpenVINO makes whose kernels compute in f32 on what they load and
+    write their inputs' precision (fused norms, rotary, SiLU; counted in
+    ``fp32_math_16bit_io``, rotary by type in ``layers``); the logits layer is reported
+    (``logits``: its type, the precision it computes in and the one it writes).
     """
     low_names, fp32_names, reads_low = nodes or _low_onnx_nodes(onnx_model)
     attention_low = any(n.op_type == "Attention" and n.name in low_names for n in onnx_model.graph.node)
     ran: dict[str, tuple[str, str]] = {}  # ONNX node name -> (layer type, runtime precision)
     computed: dict[str, list[str]] = {}  # ONNX node name -> precisions of its GEMM/attention layers
     by_type: Counter = Counter()
-    problems = []
-    for op in compiled.get_runtime_model().get_ordered_ops():
+    wrote: dict[str, list[str]] = {}  # ONNX node name -> precisions its first layer writes
+    problems, rounded_io = [], 0
+    runtime = compiled.get_runtime_model()
+    for op in runtime.get_ordered_ops():
         info = op.get_rt_info()
         kind = info["layerType"].astype(str)
         precision = info["runtimePrecision"].astype(str) if "runtimePrecision" in info else "?"
         names = info["originalLayersNames"].astype(str).split(",")
+        writes = info["outputPrecisions"].astype(str).split(",") if "outputPrecisions" in info else []
         for name in names:
             ran.setdefault(name, (kind, precision))
+            wrote.setdefault(name, writes)
             if kind in GEMM_RUNTIME_TYPES or kind in ATTENTION_RUNTIME_TYPES:
                 computed.setdefault(name, []).append(precision)
         if kind in FP32_RUNTIME_TYPES and precision in LOW_PRECISIONS:
-            problems.append(f"{kind} {op.get_friendly_name()} runs in {precision}; the plan keeps it FP32")
+            if pinned and kind in F32_MATH_RUNTIME_TYPES:
+                rounded_io += 1
+            else:
+                problems.append(f"{kind} {op.get_friendly_name()} runs in {precision}; the plan keeps it FP32")
         if kind in ATTENTION_RUNTIME_TYPES and precision == "f32" and attention_low:
             problems.append(f"{kind} {op.get_friendly_name()} runs in f32; the plan's attention is 16-bit")
         if kind in GEMM_RUNTIME_TYPES and precision == "f32" and reads_low.intersection(names):
@@ -158,8 +199,24 @@ def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
     # (where the plan's casts to FP32 are): only FP32 nodes that kept a layer of their own count.
     own = [n for n in fp32_names if n in ran and ran[n][0] != "Subgraph"]
     problems += [
-        f"{n} (FP32 in the plan) runs as {ran[n][0]} in {ran[n][1]}" for n in own if ran[n][1] in LOW_PRECISIONS
+        f"{n} (FP32 in the plan) runs as {ran[n][0]} in {ran[n][1]}"
+        for n in own
+        if ran[n][1] in LOW_PRECISIONS and not (pinned and ran[n][0] in F32_MATH_RUNTIME_TYPES)
     ]
+    if pinned:  # every FP32 value of the plan that keeps a layer of its own is written in f32
+        silu = _silu_nodes(onnx_model)  # OpenVINO's own SiLU op, which the mark does not reach
+        rounded = [n for n in _fp32_onnx_values(onnx_model) if n in ran and "f32" not in wrote[n]]
+        rounded_io += sum(1 for n in rounded if n in silu)
+        problems += [  # a GEMM the plan keeps FP32 (``fp32_modules``) computed in 16 bit
+            f"{n} (an FP32 GEMM in the plan) runs in {'/'.join(computed[n])}"
+            for n in _fp32_onnx_values(onnx_model, LOW_ONNX_OPS)
+            if any(p in LOW_PRECISIONS for p in computed.get(n, []))
+        ]
+        problems += [
+            f"{n} (FP32 in the plan) runs as {ran[n][0]}, writing {'/'.join(wrote[n])}"
+            for n in rounded
+            if ran[n][0] not in PINNED_ROUNDED_IO and n not in silu
+        ]
     if problems:
         raise ExportError(
             f"OpenVINO does not run the plan's precision ({len(problems)} nodes): " + "; ".join(problems[:5])
@@ -172,7 +229,16 @@ def executed_precision(compiled, onnx_model, nodes=None) -> dict[str, Any]:
         "low_nodes_unnamed": len(low_names) - len(low_ok),
         "fp32_nodes_f32": len(own),  # by name; every norm/softmax/reduce layer is checked by type
         "layers": ", ".join(f"{k} x{v}" for k, v in sorted(by_type.items())),
+        **({"fp32_math_16bit_io": rounded_io, "logits": _logits_layer(compiled)} if pinned else {}),
     }
+
+
+def _logits_layer(compiled) -> str:
+    """The layer that writes ``logits``: its type, the precision it computes in and writes."""
+    index = next(i for i, port in enumerate(compiled.outputs) if "logits" in port.get_names())
+    result = compiled.get_runtime_model().outputs[index].get_node()
+    info = result.input_value(0).get_node().get_rt_info()
+    return " ".join(info[k].astype(str) for k in ("layerType", "runtimePrecision", "outputPrecisions"))
 
 
 def _settings_for(path: str) -> dict:
@@ -200,13 +266,16 @@ def compile_openvino(path: str, *, threads: int | None = None, check: bool = Tru
     return _compiled(path, threads, check, lambda core: core.read_model(path))
 
 
-def _compiled(path: str, threads: int | None, check: bool, read) -> tuple[Any, dict]:
-    """The OpenVINO model ``read(core)`` makes of ``path``, compiled with the file's settings,
-    and the precision its planned nodes run in (checked unless ``check`` is False)."""
+def _compiled(path: str, threads: int | None, check: bool, read, pinned: bool = False) -> tuple[Any, dict]:
+    """The OpenVINO model ``read(core)`` makes of ``path``, compiled with the file's settings
+    (``pinned``: under the BF16 hint, its FP32 nodes marked precise), and the precision its
+    planned nodes run in (checked unless ``check`` is False)."""
     core = _core()
     onnx_model, nodes, config = _to_serve(path, threads, core)
+    if pinned:
+        config["INFERENCE_PRECISION_HINT"] = "bf16"
     compiled = core.compile_model(read(core), "CPU", config)
-    executed = executed_precision(compiled, onnx_model, nodes) if check else {}
+    executed = executed_precision(compiled, onnx_model, nodes, pinned=pinned) if check else {}
     return compiled, executed
 
 
@@ -293,9 +362,131 @@ def stateful_model(path: str, layout):
 
 
 def compile_stateful(path: str, layout, *, threads: int | None = None, check: bool = True):
-    """``stateful_model`` compiled for this CPU with the settings beside the file; returns
-    ``(compiled_model, executed)`` as ``compile_openvino`` does."""
+    """The decoder at ``path`` compiled stateful for this CPU: the model ``write_served``
+    left beside it where there is one (``served_path``), else ``stateful_model`` with the
+    settings beside the file. Returns ``(compiled_model, executed)`` as ``compile_openvino``
+    does."""
+    served = served_path(path)
+    if os.path.isfile(served):
+        return _compiled(path, threads, check, lambda core: _read_served(core, path, served), pinned=True)
     return _compiled(path, threads, check, lambda core: stateful_model(path, layout))
+
+
+# A 16-bit decoder is served under OpenVINO's BF16 hint: its LLM kernels run only there (the
+# MLP fused whole, the logits layer writing the FP32 sums of its BF16 GEMM). That hint lowers
+# every FP32 node too, so each node the plan keeps FP32 is marked "precise" (OpenVINO's
+# DisableFP16Compression, which its CPU plugin honours for BF16 as well); only the IR format
+# carries that mark from Python, hence a second file.
+PRECISE = "precise"
+_NOT_COMPUTED = frozenset({"Constant", "Parameter", "Result", "ReadValue", "Assign"})
+
+
+def served_path(path: str) -> str:
+    """``decoder.onnx`` -> ``decoder.openvino.xml`` (and ``.bin``): the stateful model served."""
+    return os.path.splitext(path)[0] + ".openvino.xml"
+
+
+def write_served(path: str, layout) -> str:
+    """Write the 16-bit decoder at ``path`` as the stateful OpenVINO model it is served as
+    (``served_path``): the plan's FP32 nodes marked precise; the GEMM that makes the logits,
+    16-bit in the plan and widened to FP32 after it, written in FP32 on its widened inputs
+    (exact BF16 values: OpenVINO runs it as the same BF16 GEMM and keeps its FP32 sums instead
+    of rounding them to BF16 first); the cache precision in the model's runtime options."""
+    import openvino
+    from openvino._offline_transformations import apply_moc_transformations
+
+    model = stateful_model(path, layout)
+    widened = _logits_from_wide_matmul(model)
+    # OpenVINO's own fusions first (a sigmoid-times-x becomes one Swish): an op they make
+    # does not inherit the mark, so what is marked is what they leave
+    apply_moc_transformations(model, cf=False)
+    keep = {
+        (op.get_friendly_name(), op.get_type_name())
+        for op in model.get_ops()
+        if _computes_fp32(op) and (op.get_friendly_name(), op.get_type_name()) not in widened
+    }
+    cache = _cache_precision(path)
+    if cache:
+        model.set_rt_info(cache, ["runtime_options", "KV_CACHE_PRECISION"])
+    model.set_rt_info(_digest(path), ["amp", "source"])
+    dest = served_path(path)
+    openvino.save_model(model, dest, compress_to_fp16=False)
+    _mark_precise(dest, keep)
+    return dest
+
+
+def _computes_fp32(op) -> bool:
+    """Whether ``op`` computes a float32 value (not a weight widened for a GEMM: OpenVINO
+    reads those as compressed weights)."""
+    import openvino
+
+    if op.get_type_name() in _NOT_COMPUTED:
+        return False
+    if op.get_type_name() == "Convert" and op.input_value(0).get_node().get_type_name() == "Constant":
+        return False
+    return any(op.get_output_element_type(i) == openvino.Type.f32 for i in range(op.get_output_size()))
+
+
+def _logits_from_wide_matmul(model) -> set[tuple[str, str]]:
+    """Rewrite ``logits = Convert<f32>(MatMul<bf16>(x, w))`` as ``MatMul(Convert<f32>(x),
+    Convert<f32>(w))``; returns the (name, type) of the ops it made (left unmarked)."""
+    import openvino
+    from openvino import opset13 as ops
+
+    result = next((r for r in model.get_results() if "logits" in r.input_value(0).get_names()), None)
+    widen = result.input_value(0).get_node() if result is not None else None
+    if widen is None or widen.get_type_name() != "Convert" or widen.get_output_element_type(0) != openvino.Type.f32:
+        return set()
+    matmul = widen.input_value(0).get_node()
+    if matmul.get_type_name() != "MatMul" or matmul.get_output_element_type(0) not in (
+        openvino.Type.bf16,
+        openvino.Type.f16,
+    ):
+        return set()
+    flags = matmul.get_attributes()
+    inputs = [ops.convert(matmul.input_value(i), "f32") for i in range(2)]
+    wide = ops.matmul(*inputs, flags["transpose_a"], flags["transpose_b"])
+    wide.set_friendly_name(matmul.get_friendly_name())
+    wide.output(0).set_names(widen.output(0).get_names())
+    widen.output(0).replace(wide.output(0))
+    model.validate_nodes_and_infer_types()
+    return {(n.get_friendly_name(), n.get_type_name()) for n in (wide, *inputs)}
+
+
+def _mark_precise(xml: str, keep: set[tuple[str, str]]) -> None:
+    """Mark the IR's layers named in ``keep`` (name, type) precise, in place."""
+    import xml.etree.ElementTree as ElementTree
+
+    tree = ElementTree.parse(xml)
+    for layer in tree.getroot().iter("layer"):
+        if (layer.get("name"), layer.get("type")) in keep:
+            info = layer.find("rt_info")
+            if info is None:
+                info = ElementTree.SubElement(layer, "rt_info")
+            ElementTree.SubElement(info, "attribute", {"name": PRECISE, "version": "0"})
+    tree.write(xml, encoding="utf-8", xml_declaration=True)
+
+
+def _digest(path: str) -> str:
+    """The ONNX graph's file (its weights beside it are not read): what the served model was made from."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_served(core, path: str, served: str):
+    model = core.read_model(served)
+    made_from = model.get_rt_info(["amp", "source"]).astype(str) if model.has_rt_info(["amp", "source"]) else None
+    if made_from != _digest(path):
+        raise ExportError(
+            f"{served} was not made from {path} (the files come from different exports): export "
+            "again with export_decoder, or delete the .openvino.xml/.bin pair to serve the ONNX file"
+        )
+    return model
 
 
 # ops that move values without computing on them: exact in any dtype
