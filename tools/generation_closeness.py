@@ -8,8 +8,9 @@
 The decoder is examples/common.py's Llama (d=256, 4 layers, grouped-query attention) trained
 on Python's reference documentation by words, as tools/convergence.py trains it. Forms, all on
 stateful OpenVINO: our FP32 export (hint f32, FP32 cache); the same with OpenVINO's defaults
-(its own BF16, a u8 cache); our BF16 export (the plan), the same with ``lm_head`` pinned FP32
-and with ``lm_head`` and attention pinned (``fp32_modules``); optimum-intel's export with its
+(its own BF16, a u8 cache); our BF16 export (the plan, as served), the same with ``lm_head``
+pinned FP32 and with ``lm_head`` and attention pinned (``fp32_modules``; served as the ONNX
+file, which the BF16 hint cannot keep); optimum-intel's export with its
 defaults and with hint f32 (``--optimum``). On held-out rows of 64 tokens: the next-token
 KL(FP32 || form) averaged over every position, top-1 agreement with FP32 and the mean NLL,
 all from one prefill of each row; then greedy generation of 32 tokens after each row's first

@@ -11,7 +11,9 @@ it, as optimum-intel serves decoders).
 For OpenVINO (which reads ONNX's Attention, opset 23) attention stays one op, laid out so
 OpenVINO's CPU plugin fuses it with the stateful cache (``openvino.fusable_attention``); a
 16-bit export stores the cache in 16 bit and the settings beside the file hold OpenVINO's
-cache in that precision. For ONNX Runtime attention is written out (MatMul, Softmax, MatMul).
+cache in that precision; it is served as the stateful model written beside it
+(``openvino.write_served``: under OpenVINO's BF16 hint, the plan's FP32 nodes pinned). For
+ONNX Runtime attention is written out (MatMul, Softmax, MatMul).
 
 The export is checked by generating: greedy tokens from the file against PyTorch's FP32
 greedy tokens on the same prompts (left-padded batches included). An FP32 export must give

@@ -4,7 +4,9 @@ OpenVINO's CPU plugin runs each op in the precision of its inputs when its
 ``INFERENCE_PRECISION_HINT`` is ``f32``; with its default (``bf16`` on a CPU with native
 BF16) it lowers the plan's FP32 islands (LayerNorm, softmax) too. So the settings are part
 of the artifact: written beside the file and used by ``compile_openvino``, which also reads
-back, from the compiled model, the precision each node executes in.
+back, from the compiled model, the precision each node executes in. A decoder exported for
+generation is served under the BF16 hint instead, as a model of its own whose FP32 nodes
+are marked to stay f32 (``write_served``).
 """
 
 from __future__ import annotations

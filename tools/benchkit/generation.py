@@ -65,9 +65,10 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 1) -> tuple[np.nda
 
 
 def _ov_runner(path: str, layout, own: bool, threads: int):
-    """A stateful OpenVINO request for the export at ``path``: with the settings written beside
-    it (hint f32, the cache in the graph's precision), or ``own``: OpenVINO's defaults (BF16
-    wherever it can on a native-BF16 CPU, a fused attention's cache stored as u8)."""
+    """A stateful OpenVINO request for the export at ``path``: as served (a 16-bit export: the
+    model written beside it, the plan's FP32 pinned under the BF16 hint; an FP32 one: the
+    settings beside it, hint f32, the cache in FP32), or ``own``: OpenVINO's defaults on the
+    ONNX file (BF16 wherever it can on a native-BF16 CPU, a fused attention's cache as u8)."""
     from amp_compiler.onnx_export.openvino import _core, compile_stateful, stateful_model
 
     if own:
