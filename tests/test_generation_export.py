@@ -46,6 +46,17 @@ FAMILIES = {
 }
 
 
+def served_pinned(report) -> bool:
+    """Whether a 16-bit export is served as its pinned model; where this OpenVINO cannot keep
+    the plan under its BF16 hint (2025.4 lowers the written-out softmax and norms), the
+    report says why and the ONNX file is served under hint f32."""
+    if report.served_path is None:
+        assert report.not_served.startswith("under OpenVINO's BF16 hint") and "served as the ONNX" in report.format()
+        return False
+    assert report.served_path == ov_serving.served_path(report.path) and "served as" in report.format()
+    return True
+
+
 def hf_greedy(model, ids, mask, new=NEW) -> np.ndarray:
     """transformers' own generate(), each prompt alone without its padding: the oracle a
     left-padded batch from the export is held against."""
@@ -178,11 +189,11 @@ def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     assert g["prompts"] == 2 and g["new_tokens"] == NEW
     assert g["first_divergent"] is None or 0 <= g["first_divergent"] < NEW
     assert "generation: prompts 2" in report.format()
-    served = Decoder(path)  # stateful, as served
-    assert report.served_path == ov_serving.served_path(path) and "served as" in report.format()
-    assert served.executed["logits"] == "FullyConnected bf16 f32"
-    norms = "MVN f32" in served.executed["layers"] or served.executed["fp32_math_16bit_io"] >= 2
-    assert norms and "Reduce bf16" not in served.executed["layers"]
+    served, pinned = Decoder(path), served_pinned(report)  # stateful, as served
+    assert "Reduce bf16" not in served.executed["layers"] and "MVN bf16" not in served.executed["layers"]
+    if pinned:  # the head's FP32 sums; norms computing in f32 (RMS on BF16 in and out)
+        assert served.executed["logits"] == "FullyConnected bf16 f32"
+        assert "MVN f32" in served.executed["layers"] or served.executed["fp32_math_16bit_io"] >= 2
     if not attention_fuses_here():  # attention written out: softmax FP32 as its own layer
         assert "Softmax f32" in served.executed["layers"] and "Softmax bf16" not in served.executed["layers"]
         return
@@ -195,7 +206,7 @@ def test_bf16_export_generates_with_the_plan_executed(family, tmp_path):
     assert f"ScaledDotProductAttention bf16 x{layers}" in served.executed["layers"]
     assert "Softmax" not in served.executed["layers"] and "MatMul" not in served.executed["layers"]
     if family != "gpt2":  # rotary fused (``widen_first``): queries and keys; FP32 as planned on the ONNX file
-        assert f"RoPE bf16 x{2 * layers}" in served.executed["layers"]
+        assert f"RoPE {'bf16' if pinned else 'f32'} x{2 * layers}" in served.executed["layers"]
         compiled, executed = ov_serving.compile_openvino(path)
         assert f"RoPE f32 x{2 * layers}" in executed["layers"]
 
@@ -210,6 +221,8 @@ def test_the_served_decoder_keeps_fp32_where_the_plan_does_because_it_is_marked(
 
     model, path = FAMILIES["llama"](), str(tmp_path / "d.onnx")
     report = export_decoder(model, path, new_tokens=4)
+    if not served_pinned(report):
+        pytest.skip(f"this OpenVINO cannot keep the plan under its BF16 hint: {report.not_served[:300]}")
     served = report.served_path
     text = open(served).read()
     assert text.count('<attribute name="precise"') > 2 * report.layout.layers
@@ -411,8 +424,11 @@ def test_generate_over_a_bf16_export_runs_the_plan(tmp_path):
     # the norms in FP32: fused (RMS, computing in f32 on BF16 in and out) or, where an older
     # OpenVINO does not fuse them, reduced in f32
     assert executed["low_nodes_16bit"] > 0 and "Reduce bf16" not in executed["layers"]
-    assert executed["fp32_math_16bit_io"] >= 5 or "Reduce f32" in executed["layers"]
-    assert executed["logits"] == "FullyConnected bf16 f32"
+    if "logits" in executed:  # served as the pinned model
+        assert executed["fp32_math_16bit_io"] >= 5 or "Reduce f32" in executed["layers"]
+        assert executed["logits"] == "FullyConnected bf16 f32"
+    else:
+        assert "RMS f32" in executed["layers"] or "Reduce f32" in executed["layers"]
     ids, mask = example_prompts(100, seed=7)
     got = _generate(lm, ids, mask)[:, ids.shape[1] :].numpy()
     np.testing.assert_array_equal(got, Decoder(path).generate(ids, mask, 12))
