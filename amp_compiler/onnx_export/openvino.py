@@ -369,9 +369,16 @@ def compile_stateful(path: str, layout, *, threads: int | None = None, check: bo
     settings beside the file. Returns ``(compiled_model, executed)`` as ``compile_openvino``
     does."""
     served = served_path(path)
-    if os.path.isfile(served):
-        return _compiled(path, threads, check, lambda core: _read_served(core, path, served), pinned=True)
-    return _compiled(path, threads, check, lambda core: stateful_model(path, layout))
+    if not os.path.isfile(served):
+        return _compiled(path, threads, check, lambda core: stateful_model(path, layout))
+    model = _read_served(_core(), path, served)
+    try:
+        return _compiled(path, threads, check, lambda core: model, pinned=True)
+    except ExportError as e:
+        raise ExportError(
+            f"{e}. {served} is served under OpenVINO's BF16 hint: delete it and its .bin to serve "
+            f"{path} under hint f32 (the plan node by node)"
+        ) from e
 
 
 # A 16-bit decoder is served under OpenVINO's BF16 hint: its LLM kernels run only there (the
