@@ -46,11 +46,17 @@ FAMILIES = {
 }
 
 
+# OpenVINO 2026 keeps the marked nodes in f32 under its BF16 hint; 2025.4 lowers the
+# written-out softmax and norms despite the marks
+KEEPS_MARKS = tuple(int(v) for v in ov.__version__.split(".")[:1]) >= (2026,)
+
+
 def served_pinned(report) -> bool:
-    """Whether a 16-bit export is served as its pinned model; where this OpenVINO cannot keep
-    the plan under its BF16 hint (2025.4 lowers the written-out softmax and norms), the
-    report says why and the ONNX file is served under hint f32."""
+    """Whether a 16-bit export is served as its pinned model. Only an OpenVINO that lowers
+    marked nodes may fall back (the report says why; the ONNX file is served under hint f32):
+    a release that stops keeping them fails here, not silently."""
     if report.served_path is None:
+        assert not KEEPS_MARKS, f"OpenVINO {ov.__version__} should serve the pinned model: {report.not_served}"
         assert report.not_served.startswith("under OpenVINO's BF16 hint") and "served as the ONNX" in report.format()
         return False
     assert report.served_path == ov_serving.served_path(report.path) and "served as" in report.format()

@@ -221,6 +221,22 @@ MUTANTS = (
         ("tests/test_generation_export.py",),
     ),
     Mutant(
+        "served-unpinned",
+        "a BF16 decoder served under OpenVINO's BF16 hint keeps the plan's FP32 nodes in f32",
+        "amp_compiler/onnx_export/openvino.py",
+        '        if (layer.get("name"), layer.get("type")) in keep:',
+        "        if False:",
+        ("tests/test_generation_export.py",),
+    ),
+    Mutant(
+        "served-logits-rounded",
+        "the served decoder's logits are the FP32 sums of its BF16 head GEMM",
+        "amp_compiler/onnx_export/openvino.py",
+        "    widened = _logits_from_wide_matmul(model)\n",
+        "    widened = set()\n",
+        ("tests/test_generation_export.py",),
+    ),
+    Mutant(
         "export-fp32-weights",
         "the ONNX export stores 16-bit weights",
         "amp_compiler/onnx_export/program.py",
