@@ -23,7 +23,6 @@ the same tokens; a 16-bit one reports where it first leaves them.
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from .openvino import (
     fusable_attention,
     native_bf16,
     openvino_feeds,
+    remove_served,
     served_path,
     write_served,
 )
@@ -273,14 +273,13 @@ def export_decoder(
     serve, not_served = target == "openvino" and dtype != "fp32", []
 
     def serve_beside(file: str) -> None:
-        served = write_served(file, layout)
+        write_served(file, layout)
         if not native_bf16():
             return  # checked where it is served
         try:
             compile_stateful(file, layout)
         except ExportError as e:  # OpenVINO's BF16 hint would not keep this plan
-            for made in (served, os.path.splitext(served)[0] + ".bin"):
-                os.remove(made)
+            remove_served(file)
             not_served.append(f"under OpenVINO's BF16 hint {e}")
 
     try:
@@ -307,15 +306,13 @@ def export_decoder(
         if not fused:
             raise
         raise ExportError(f"{e} (attention fused for OpenVINO; opset=22 writes it out: MatMul, Softmax, MatMul)") from e
-    served, serve = served_path(path), serve and not not_served
+    serve = serve and not not_served
     if not serve:  # an earlier export's served model would not be this file's
-        for stale in (served, os.path.splitext(served)[0] + ".bin"):
-            if os.path.exists(stale):
-                os.remove(stale)
+        remove_served(path)
     return DecoderReport(
         **vars(report),
         layout=layout,
-        served_path=served if serve else None,
+        served_path=served_path(path) if serve else None,
         not_served=not_served[0] if not_served else None,
     )
 

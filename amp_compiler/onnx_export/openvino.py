@@ -123,16 +123,12 @@ def _low_onnx_nodes(model) -> tuple[list[str], list[str], set[str]]:
     return low_names, fp32_names, reads_low
 
 
-def _fp32_onnx_values(model, ops=None) -> list[str]:
-    """Names of the nodes (of ``ops`` types, where given) that write a float32 value."""
+def _fp32_onnx_values(model) -> dict[str, str]:
+    """Name -> op type of the nodes that write a float32 value."""
     from onnx import TensorProto
 
     types = value_types(model)
-    return [
-        n.name
-        for n in model.graph.node
-        if n.output and types.get(n.output[0]) == TensorProto.FLOAT and (ops is None or n.op_type in ops)
-    ]
+    return {n.name: n.op_type for n in model.graph.node if n.output and types.get(n.output[0]) == TensorProto.FLOAT}
 
 
 def _silu_nodes(model) -> set[str]:
@@ -207,12 +203,13 @@ def executed_precision(compiled, onnx_model, nodes=None, pinned: bool = False) -
     ]
     if pinned:  # every FP32 value of the plan that keeps a layer of its own is written in f32
         silu = _silu_nodes(onnx_model)  # OpenVINO's own SiLU op, which the mark does not reach
-        rounded = [n for n in _fp32_onnx_values(onnx_model) if n in ran and "f32" not in wrote[n]]
+        fp32_values = _fp32_onnx_values(onnx_model)
+        rounded = [n for n in fp32_values if n in ran and "f32" not in wrote[n]]
         rounded_io += sum(1 for n in rounded if n in silu)
         problems += [  # a GEMM the plan keeps FP32 (``fp32_modules``) computed in 16 bit
             f"{n} (an FP32 GEMM in the plan) runs in {'/'.join(computed[n])}"
-            for n in _fp32_onnx_values(onnx_model, LOW_ONNX_OPS)
-            if any(p in LOW_PRECISIONS for p in computed.get(n, []))
+            for n, op_type in fp32_values.items()
+            if op_type in LOW_ONNX_OPS and any(p in LOW_PRECISIONS for p in computed.get(n, []))
         ]
         problems += [
             f"{n} (FP32 in the plan) runs as {ran[n][0]}, writing {'/'.join(wrote[n])}"
@@ -395,6 +392,14 @@ def served_path(path: str) -> str:
     return os.path.splitext(path)[0] + ".openvino.xml"
 
 
+def remove_served(path: str) -> None:
+    """Remove the served model beside ``path`` (its .xml and .bin), where there is one."""
+    served = served_path(path)
+    for made in (served, os.path.splitext(served)[0] + ".bin"):
+        if os.path.exists(made):
+            os.remove(made)
+
+
 def write_served(path: str, layout) -> str:
     """Write the 16-bit decoder at ``path`` as the stateful OpenVINO model it is served as
     (``served_path``): the plan's FP32 nodes marked precise; the GEMM that makes the logits,
@@ -433,8 +438,7 @@ def _computes_fp32(op) -> bool:
 
     if op.get_type_name() in _NOT_COMPUTED:
         return False
-    sixteen = (openvino.Type.bf16, openvino.Type.f16)
-    if op.get_type_name() == "Convert" and op.get_input_element_type(0) in sixteen:
+    if op.get_type_name() == "Convert" and op.get_input_element_type(0).to_string() in LOW_PRECISIONS:
         return False
     return any(op.get_output_element_type(i) == openvino.Type.f32 for i in range(op.get_output_size()))
 
@@ -450,10 +454,7 @@ def _logits_from_wide_matmul(model) -> set[tuple[str, str]]:
     if widen is None or widen.get_type_name() != "Convert" or widen.get_output_element_type(0) != openvino.Type.f32:
         return set()
     matmul = widen.input_value(0).get_node()
-    if matmul.get_type_name() != "MatMul" or matmul.get_output_element_type(0) not in (
-        openvino.Type.bf16,
-        openvino.Type.f16,
-    ):
+    if matmul.get_type_name() != "MatMul" or matmul.get_output_element_type(0).to_string() not in LOW_PRECISIONS:
         return set()
     flags = matmul.get_attributes()
     inputs = [ops.convert(matmul.input_value(i), "f32") for i in range(2)]
