@@ -271,8 +271,15 @@ def test_fp32_tokens_that_differ_fail_the_export_and_leave_nothing(tmp_path, mon
 def test_bf16_decoder_is_refused_without_native_bf16(tmp_path, monkeypatch):
     if NATIVE:
         monkeypatch.setattr(ov_serving, "native_bf16", lambda core=None: False)
-    with pytest.raises(ExportError, match="no native BF16"):
+    with pytest.raises(ExportError, match="no native BF16") as refused:
         export_decoder(tiny_llama(seed=0).eval(), str(tmp_path / "d.onnx"))
+    assert "opset" not in str(refused.value)  # no other export would pass: nothing to suggest
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_folder_is_named_before_any_work(tmp_path):
+    with pytest.raises(ExportError, match="folder .*missing.* does not exist$"):
+        export_decoder(tiny_llama(seed=0).eval(), str(tmp_path / "missing" / "d.onnx"), dtype="fp32")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -98,7 +98,13 @@ def measure(folder: pathlib.Path, optimum: str | None, threads: int) -> dict:
 
     from amp_compiler import export_decoder
     from amp_compiler.onnx_export.generation import compare_tokens
+    from amp_compiler.onnx_export.openvino import native_bf16
 
+    if not native_bf16():
+        raise SystemExit(
+            "cannot measure how close BF16 generation stays to FP32 on this CPU: it has no native "
+            "BF16, so OpenVINO would run every BF16 form in FP32. Measure on a CPU with AVX512-BF16 or AMX."
+        )
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     rows = np.load(folder / "held_out.npy")[:8]

@@ -142,15 +142,11 @@ def export_checked(
     before the checks, ``beside(file)`` writing more files beside it (they move into place
     with it), and ``more_checks(file, report)`` run on it after the checks, before it is
     moved into place (raising ExportError keeps it out)."""
-    _validate(dtype, target)
-    if target == "openvino" and dtype == "bf16" and check:
-        refuse_without_native_bf16(doing="check a BF16 export for OpenVINO")
+    preflight(path, dtype, target, check)
+    folder = os.path.dirname(os.path.abspath(path))
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = in_signature_order(model, dict(kwargs or {}))
     opset = opset or 22  # BF16 Conv needs opset 22
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ExportError(f"cannot write {path!r}: folder {folder!r} does not exist")
     was_training = model.training
     model.eval()
     try:
@@ -211,6 +207,17 @@ def export_checked(
         model.train(was_training)
     log.info("amp export: %s", report.format())
     return report
+
+
+def preflight(path: str, dtype: str, target: str, check: bool) -> None:
+    """Refuse, before any work, what no export could do: a dtype/target pair that cannot be
+    served, a BF16 check on a CPU that cannot run it, a folder that is not there."""
+    _validate(dtype, target)
+    if target == "openvino" and dtype == "bf16" and check:
+        refuse_without_native_bf16(doing="check a BF16 export for OpenVINO")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ExportError(f"cannot write {path!r}: folder {folder!r} does not exist")
 
 
 def _validate(dtype: str, target: str) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from ..policy import LOW_DTYPES
 from .base import ExportError
-from .export import ExportReport, export_checked
+from .export import ExportReport, export_checked, preflight
 from .openvino import (
     as_float32,
     attention_fuses_here,
@@ -219,6 +219,7 @@ def export_decoder(
     tokens: an FP32 export must match them; a 16-bit one reports the first divergent token
     and the share of tokens that differ.
     """
+    preflight(path, dtype, target, check)  # before the fused-attention hint below could blame opset
     layout = cache_layout(model)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     b, past_len, t = 2, 3, 4  # no size 0 or 1 to trace with: each stays dynamic
