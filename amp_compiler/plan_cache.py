@@ -30,7 +30,7 @@ import logging
 import os
 import pathlib
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -123,10 +123,11 @@ def _path(digest: str) -> pathlib.Path:
 
 
 class Restored:
-    """A plan read back: the planned graph, its plan, the passes' records."""
+    """A plan read back: the planned graph, its plan, the passes' records; ``reread`` gives
+    the graph again from the entry's bytes (for inspection, once the compiled one is let go)."""
 
-    def __init__(self, graph: torch.fx.GraphModule, plan: GraphPlan, passes: list, logged: list):
-        self.graph, self.plan, self.passes, self.logged = graph, plan, passes, logged
+    def __init__(self, graph, plan: GraphPlan, passes: list, logged: list, reread: Callable):
+        self.graph, self.plan, self.passes, self.logged, self.reread = graph, plan, passes, logged, reread
 
     def replay(self) -> None:
         for level, message in self.logged:
@@ -146,9 +147,7 @@ def load(digest: str, gm: torch.fx.GraphModule, index: int, reason: str) -> Rest
             fmt, graph_bytes, name, plan, passes, logged = pickle.loads(data)
             if fmt != FORMAT:
                 return None
-            fake_mode = private("torch._subclasses.fake_tensor.FakeTensorMode")()
-            graph = private("torch.fx._graph_pickler.GraphPickler").loads(graph_bytes, fake_mode)
-            graph = _as_planned(graph, name)
+            graph = _read_graph(graph_bytes, name)
             keep_dynamo_inputs(gm, graph)  # this compile's input sources, as a fresh capture has them
     except Exception as e:  # noqa: BLE001 - a damaged entry costs a planning, never the run
         log.debug("amp: plan cache entry %s unreadable (%s: %s); planning again", path, type(e).__name__, e)
@@ -160,7 +159,12 @@ def load(digest: str, gm: torch.fx.GraphModule, index: int, reason: str) -> Rest
         nodes=[replace(n, graph=index) for n in plan.nodes],
         casts=[replace(c, graph=index) for c in plan.casts],
     )
-    return Restored(graph, plan, passes, logged)
+    return Restored(graph, plan, passes, logged, functools.partial(_read_graph, graph_bytes, name))
+
+
+def _read_graph(graph_bytes: bytes, name: str) -> torch.fx.GraphModule:
+    fake_mode = private("torch._subclasses.fake_tensor.FakeTensorMode")()
+    return _as_planned(private("torch.fx._graph_pickler.GraphPickler").loads(graph_bytes, fake_mode), name)
 
 
 @contextlib.contextmanager

@@ -495,3 +495,25 @@ def test_closeness_of_identical_and_of_different_logits():
     assert same["kl_to_fp32"] == pytest.approx(0, abs=1e-12) and same["top1_agreement"] == 1.0
     other = gc_.closeness(logits + rng.normal(size=logits.shape), logits, rows)
     assert other["kl_to_fp32"] > 0.01 and other["top1_agreement"] < 1.0
+
+
+def test_restart_bench_restarts_from_the_caches_and_says_where_the_collector_struck(tmp_path, capsys):
+    """tools/restart_bench.py: a cold process fills the caches; a restart hits AOTAutograd's
+    cache on amp's restored plan (planning then only reads it back); each run says how many
+    collections of each generation its first step ran and where each full one struck."""
+    import restart_bench
+
+    out = tmp_path / "r.json"
+    restart_bench.main(
+        "--layers 1 --d 32 --batch 1 --seq 8 --vocab 64 --threads 1 --warm-runs 1 --variants amp".split()
+        + ["--json", str(out)]
+    )
+    amp = json.loads(out.read_text())["rows"]["amp"]
+    cold, (warm,) = amp["cold"], amp["warm_runs"]
+    assert cold["caches"]["aot_autograd"].get("autograd_cache_saved") == 1
+    assert warm["caches"]["aot_autograd"] == {"autograd_cache_hit": 1}
+    assert 0 < warm["planning_s"] < cold["planning_s"]
+    for run in (cold, warm):
+        assert len(run["full_collections_in"]) == run["gc_collections"][2]
+        assert all(":" in where for where in run["full_collections_in"])
+    assert "warm vs autocast" in capsys.readouterr().out

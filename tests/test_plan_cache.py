@@ -11,6 +11,7 @@ from helpers import LOW_EXEC
 
 import amp_compiler.backend
 from amp_compiler import AmpBackend, plan_cache
+from amp_compiler.meta import META_KEY
 
 
 class Net(nn.Module):
@@ -112,6 +113,48 @@ def test_a_restored_plan_is_compiled_with_the_collector_held(planned, inductor_r
     assert restored + [r.restored for r in second.records] == [False, True]
     assert seen == [collector_on, False]
     assert after_planning == after_restoring == collector_on
+
+
+def _ops(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_a_restored_graph_lets_its_metadata_go_once_compiled_and_reads_again(planned, monkeypatch):
+    """Once compiled, the restored graph the compiled function keeps holds no node metadata
+    (its objects would live on in every full collection of the heap); the record reads the
+    graph again, metadata included, for whoever inspects it; the compiled graph still runs.
+    A planned graph keeps its own."""
+    from amp_compiler.render import to_dot
+
+    handed, metadata, real = [], [], amp_compiler.backend.inner_compiler
+
+    def keeping(name, mode, budget):
+        compile = real(name, mode, budget)
+
+        def compiled(gm, inputs):
+            handed.append(gm)
+            metadata.append([dict(n.meta) for n in gm.graph.nodes])
+            return compile(gm, inputs)
+
+        return compiled
+
+    monkeypatch.setattr(amp_compiler.backend, "inner_compiler", keeping)
+    model, x = Net(), torch.randn(4, 16)
+    first, out1 = restart(model, x)
+    (planned_record,) = first.records
+    assert planned_record.graph is handed[0]
+    assert all("val" in n.meta for n in _ops(handed[0]))
+    second, out2 = restart(model, x)
+    (restored,) = second.records
+    assert restored.restored and planned == [0]
+    assert all(not n.meta for n in handed[1].graph.nodes)  # what the compiled function keeps
+    again = restored.graph  # read again from the cache entry
+    assert again is not handed[1] and again.code == planned_record.graph.code
+    assert [n.meta.keys() for n in again.graph.nodes] == [m.keys() for m in metadata[1]]
+    assert any(META_KEY in m for m in metadata[1])  # the plan, node by node
+    assert "bf16" in to_dot([restored]).lower()
+    out3 = torch.compile(model, backend=second)(x)  # Dynamo's compiled code, run again
+    assert torch.equal(out1, out2) and torch.equal(out2, out3)
 
 
 CHANGES = {

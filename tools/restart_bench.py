@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 VARIANTS = ("autocast-inductor", "amp", "amp-step")
 
@@ -38,7 +39,8 @@ def child(args) -> dict:
     import amp_compiler
 
     torch.set_num_threads(args.threads)
-    size = dict(d=args.d, layers=args.layers, heads=args.d // 64, batch=args.batch, seq=args.seq, vocab=args.vocab)
+    heads = max(args.d // 64, 1)
+    size = dict(d=args.d, layers=args.layers, heads=heads, batch=args.batch, seq=args.seq, vocab=args.vocab)
     model, x, y, loss_fn, _ = build(args.workload, size, "cpu")
     planning = [0.0]
     rewrite = amp_compiler.AmpBackend.rewrite
@@ -51,7 +53,7 @@ def child(args) -> dict:
             planning[0] += time.perf_counter() - t0
 
     amp_compiler.AmpBackend.rewrite = timed
-    collecting = {"since": 0.0, "s": [0.0, 0.0, 0.0], "n": [0, 0, 0]}
+    collecting = {"since": 0.0, "s": [0.0, 0.0, 0.0], "n": [0, 0, 0], "full": []}
 
     def on_gc(phase, info):  # the collector's pauses, by generation: a full one scans the heap
         if phase == "start":
@@ -59,6 +61,8 @@ def child(args) -> dict:
         else:
             collecting["s"][info["generation"]] += time.perf_counter() - collecting["since"]
             collecting["n"][info["generation"]] += 1
+            if info["generation"] == 2:  # where a full one struck: the innermost frame of torch or amp
+                collecting["full"].append(_innermost_frame())
 
     gc.callbacks.append(on_gc)
     # from torch.compile (or make_train_step) on: what each pays to set up counts (Inductor's
@@ -81,9 +85,15 @@ def child(args) -> dict:
         "caches": caches,
         "gc_s": collecting["s"],
         "gc_collections": collecting["n"],
+        "full_collections_in": collecting["full"],
         "objects": len(gc.get_objects()),
         "torch": torch.__version__,
     }
+
+
+def _innermost_frame() -> str:
+    ours = [f for f in traceback.extract_stack()[:-2] if "torch" in f.filename or "amp_compiler" in f.filename]
+    return f"{ours[-1].filename.rsplit('site-packages/', 1)[-1]}:{ours[-1].name}" if ours else "-"
 
 
 def run(variant: str, cache: str, args) -> dict:
@@ -97,7 +107,7 @@ def run(variant: str, cache: str, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--workload", default="hf-gpt2")
@@ -110,7 +120,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--warm-runs", type=int, default=3, help="restarts per variant (the median is reported)")
     p.add_argument("--json", metavar="FILE", help="write the figures here as well")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
         return
