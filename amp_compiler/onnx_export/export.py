@@ -100,6 +100,7 @@ def export_onnx(
     Inputs and outputs stay FP32 unless ``low_precision_io``. ``check`` runs the
     structure check, onnx.checker (full) and a numeric parity check.
     """
+    preflight(path, dtype, target, check)
     return export_checked(
         model,
         args,
@@ -141,8 +142,7 @@ def export_checked(
     for the flattened inputs, outputs), ``simplify(file)`` rewriting the written file in place
     before the checks, ``beside(file)`` writing more files beside it (they move into place
     with it), and ``more_checks(file, report)`` run on it after the checks, before it is
-    moved into place (raising ExportError keeps it out)."""
-    preflight(path, dtype, target, check)
+    moved into place (raising ExportError keeps it out). The caller ran ``preflight``."""
     folder = os.path.dirname(os.path.abspath(path))
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = in_signature_order(model, dict(kwargs or {}))
