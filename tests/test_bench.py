@@ -390,7 +390,12 @@ def test_native_check_script_is_valid_and_calls_existing_tools():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text().replace("\\\n", " ")
     calls = re.findall(r'"\$PY" (tools/\w+\.py)([^\n]*)', text)
-    assert {c[0] for c in calls} == {"tools/bench.py", "tools/head_decoder.py", "tools/trl_bench.py"}
+    assert {c[0] for c in calls} == {
+        "tools/bench.py",
+        "tools/head_decoder.py",
+        "tools/trl_bench.py",
+        "tools/restart_bench.py",
+    }
     usages = {}  # one --help per tool: each start imports torch and transformers
     for tool, args in calls:
         if tool not in usages:

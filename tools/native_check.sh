@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every speed figure of a CPU with native BF16, as one command (~40 min on 2 cores), each in
+# Every speed figure of a CPU with native BF16, as one command (~60 min on 2 cores), each in
 # bench/'s JSON format under $OUT (default bench/native-<date>-<cpu kind>/):
 #   bash tools/native_check.sh
 # Nothing else may run on the machine meanwhile (variants are interleaved, but a second
@@ -45,5 +45,7 @@ step head-decoder-rows-4096 600 "$PY" tools/head_decoder.py --batch 4 --reps 7 -
 step head-decoder-exact 600 "$PY" tools/head_decoder.py --reps 7 --reuse-memory \
     --variants autocast-inductor,auto,exact,exact-split,exact-fp32 --json "$OUT/head-decoder-exact.json"
 step trl-sft 900 "$PY" tools/trl_bench.py
+# a restarted job's first step from warm caches, amp against Inductor + autocast (<= 1.0x wanted)
+step restart-12l 1500 "$PY" tools/restart_bench.py --layers 12 --d 768 --warm-runs 5 --json "$OUT/restart-12l.json"
 grep -h "TRL SFT" "$OUT/trl-sft.log" | tee -a "$OUT/steps.txt"
 echo "figures in $OUT; render a table with: $PY tools/bench.py --table $OUT/bench.json"
