@@ -42,15 +42,17 @@ def child(args) -> dict:
     heads = max(args.d // 64, 1)
     size = dict(d=args.d, layers=args.layers, heads=heads, batch=args.batch, seq=args.seq, vocab=args.vocab)
     model, x, y, loss_fn, _ = build(args.workload, size, "cpu")
-    planning = [0.0]
+    planning, plans = [0.0], {"planned": 0, "restored": 0}
     rewrite = amp_compiler.AmpBackend.rewrite
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
         try:
-            return rewrite(self, *a, **k)
+            record = rewrite(self, *a, **k)
         finally:
             planning[0] += time.perf_counter() - t0
+        plans["restored" if record.restored else "planned"] += 1  # from amp's plan cache or afresh
+        return record
 
     amp_compiler.AmpBackend.rewrite = timed
     collecting = {"since": 0.0, "s": [0.0, 0.0, 0.0], "n": [0, 0, 0], "full": []}
@@ -81,6 +83,7 @@ def child(args) -> dict:
     return {
         "first_step_s": first,
         "planning_s": planning[0],
+        "plans": plans,
         "second_step_s": second,
         "caches": caches,
         "gc_s": collecting["s"],
@@ -94,6 +97,11 @@ def child(args) -> dict:
 def _innermost_frame() -> str:
     ours = [f for f in traceback.extract_stack()[:-2] if "torch" in f.filename or "amp_compiler" in f.filename]
     return f"{ours[-1].filename.rsplit('site-packages/', 1)[-1]}:{ours[-1].name}" if ours else "-"
+
+
+def plan_cache_note() -> str:
+    off = os.environ.get("AMP_COMPILER_PLAN_CACHE") == "0"
+    return "AMP_COMPILER_PLAN_CACHE=0 turns amp's plan cache off" if off else "amp's plan cache missed"
 
 
 def run(variant: str, cache: str, args) -> dict:
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['warm']['planning_s']:16.2f} {ratio:16.2f}x"
         )
     print(f"warm: medians of {args.warm_runs} restarts each, variants interleaved")
+    afresh = sum(w["plans"]["planned"] for r in rows.values() for w in r["warm_runs"])
+    if afresh:  # a restart that plans again measures no restart of amp's: say so beside the figures
+        print(f"warning: restarts planned {afresh} graph(s) afresh ({plan_cache_note()})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
 
