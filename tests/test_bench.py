@@ -505,6 +505,21 @@ def test_closeness_of_identical_and_of_different_logits():
     assert other["kl_to_fp32"] > 0.01 and other["top1_agreement"] < 1.0
 
 
+def test_restart_bench_warns_when_a_restart_planned_afresh(monkeypatch):
+    import restart_bench
+
+    def rows(*planned):
+        return {"amp": {"warm_runs": [{"plans": {"planned": n, "restored": 1 - n}} for n in planned]}}
+
+    assert restart_bench.replanned(rows(0, 0)) is None
+    monkeypatch.setenv("AMP_COMPILER_PLAN_CACHE", "0")
+    assert restart_bench.replanned(rows(1, 1)) == (
+        "warning: restarts planned 2 graph(s) afresh (AMP_COMPILER_PLAN_CACHE=0 turns amp's plan cache off)"
+    )
+    monkeypatch.delenv("AMP_COMPILER_PLAN_CACHE")
+    assert "plan cache missed" in restart_bench.replanned(rows(0, 1))
+
+
 def test_restart_bench_restarts_from_the_caches_and_says_where_the_collector_struck(tmp_path, capsys, monkeypatch):
     """tools/restart_bench.py: a cold process fills the caches; a restart hits AOTAutograd's
     cache on amp's restored plan (planning then only reads it back, as counted); each run says how many

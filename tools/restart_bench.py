@@ -99,9 +99,15 @@ def _innermost_frame() -> str:
     return f"{ours[-1].filename.rsplit('site-packages/', 1)[-1]}:{ours[-1].name}" if ours else "-"
 
 
-def plan_cache_note() -> str:
+def replanned(rows: dict) -> str | None:
+    """A restart that planned again measured no restart of amp's: the warning to print beside
+    the figures, or None."""
+    afresh = sum(w["plans"]["planned"] for r in rows.values() for w in r["warm_runs"])
+    if not afresh:
+        return None
     off = os.environ.get("AMP_COMPILER_PLAN_CACHE") == "0"
-    return "AMP_COMPILER_PLAN_CACHE=0 turns amp's plan cache off" if off else "amp's plan cache missed"
+    why = "AMP_COMPILER_PLAN_CACHE=0 turns amp's plan cache off" if off else "amp's plan cache missed"
+    return f"warning: restarts planned {afresh} graph(s) afresh ({why})"
 
 
 def run(variant: str, cache: str, args) -> dict:
@@ -150,9 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['warm']['planning_s']:16.2f} {ratio:16.2f}x"
         )
     print(f"warm: medians of {args.warm_runs} restarts each, variants interleaved")
-    afresh = sum(w["plans"]["planned"] for r in rows.values() for w in r["warm_runs"])
-    if afresh:  # a restart that plans again measures no restart of amp's: say so beside the figures
-        print(f"warning: restarts planned {afresh} graph(s) afresh ({plan_cache_note()})")
+    if warning := replanned(rows):
+        print(warning)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
 
