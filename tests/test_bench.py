@@ -544,4 +544,4 @@ def test_restart_bench_restarts_from_the_caches_and_says_where_the_collector_str
         assert len(run["full_collections_in"]) == run["gc_collections"][2]
         assert all(":" in where for where in run["full_collections_in"])
     printed = capsys.readouterr().out
-    assert "warm vs autocast" in printed and "planned" not in printed
+    assert "warm vs autocast" in printed and "afresh" not in printed
