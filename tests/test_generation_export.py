@@ -43,6 +43,15 @@ FAMILIES = {
     "phi3": _small("Phi3", num_key_value_heads=2, pad_token_id=0),  # one fused qkv projection
     "gemma": _small("Gemma", num_key_value_heads=2, head_dim=8),
     "gpt_neox": _small("GPTNeoX"),  # rotary over part of each head
+    # MoE: experts as transformers' own custom op, written by its ONNX translation
+    "qwen2_moe": _small(
+        "Qwen2Moe",
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+    ),
 }
 
 
@@ -86,7 +95,10 @@ def hf_greedy(model, ids, mask, new=NEW) -> np.ndarray:
 def test_fp32_export_generates_transformers_tokens(family, tmp_path):
     """Prompt and every later token through one graph with the cache in and out, on ONNX
     Runtime's CPU provider: the same greedy tokens as transformers' generate(), a left-padded
-    prompt in the batch."""
+    prompt in the batch; the same again with transformers' generate() driving the file
+    (``CausalLM`` takes each family's config, a MoE's experts setting included)."""
+    from amp_compiler.onnx_export import CausalLM
+
     model = FAMILIES[family]()
     path = str(tmp_path / "decoder.onnx")
     report = export_decoder(model, path, dtype="fp32", target="cpu", new_tokens=NEW)
@@ -107,6 +119,9 @@ def test_fp32_export_generates_transformers_tokens(family, tmp_path):
     assert (mask == 0).any()
     got = Decoder(path, runtime="ort").generate(ids, mask, NEW)
     np.testing.assert_array_equal(got, hf_greedy(model, ids, mask))
+    lm = CausalLM(path, model.config, runtime="ort")
+    served = _generate(lm, ids, mask, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1] :]
+    np.testing.assert_array_equal(served.numpy(), got)
 
 
 def test_cache_lengths_and_batch_are_dynamic(tmp_path):
@@ -249,6 +264,21 @@ def test_the_served_decoder_keeps_fp32_where_the_plan_does_because_it_is_marked(
     export_decoder(model, path, dtype="fp32", target="openvino", new_tokens=4)
     assert not [f for f in tmp_path.iterdir() if f.name.startswith("d.openvino.") and f.suffix in (".xml", ".bin")]
     assert "logits" not in Decoder(path).executed  # the ONNX file, served as it is
+
+
+def test_a_moe_decoder_exports_its_experts_in_bf16_from_the_plan(tmp_path):
+    """The experts' grouped matmul (transformers' custom op, written by transformers' own
+    ONNX translation) is 16-bit in the file as the plan says, beside every other GEMM; no
+    FP32 op of the plan takes BF16. Any CPU: the file is written unchecked and its structure
+    checked here (what it executes is checked where BF16 is native)."""
+    from amp_compiler.onnx_export.structure import check_structure
+
+    model, path = FAMILIES["qwen2_moe"](), str(tmp_path / "d.onnx")
+    report = export_decoder(model, path, check=False)
+    experts = model.config.num_hidden_layers * 2  # gate-up and down: a grouped GEMM each
+    structure = check_structure(path, "bf16", "openvino", report.plan)
+    assert structure["fp32_matmul_conv"] == 0 and structure["low_matmul_conv"] >= experts
+    assert report.plan.summary()["nodes"]["LOW"] > 0
 
 
 def test_a_model_without_a_cache_is_refused_with_what_to_use(tmp_path):

@@ -71,7 +71,12 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"{type(config).__name__} is an encoder-decoder config; CausalLM serves decoder-only models"
             )
-        super().__init__(copy.deepcopy(config))  # its init settles the config's attention: on a copy
+        config = copy.deepcopy(config)  # the init below settles the config's attention and experts
+        if getattr(config, "_experts_implementation_internal", None) is not None:
+            # a MoE model's experts are the exported graph's too; the name set by the exported
+            # model (grouped_mm) is one this parameterless model cannot take
+            config._experts_implementation_internal = "eager"
+        super().__init__(config)
         self.generation_config = GenerationConfig.from_model_config(config)
         self.decoder = Decoder(path, runtime=runtime, stateful=stateful, threads=threads, **kw)
         self.eval()

@@ -258,9 +258,10 @@ def _library_translations(model: torch.nn.Module) -> dict:
 
     transformers' MoE experts run as ``torch.ops.transformers.grouped_mm_fallback``, which
     only transformers knows how to write in ONNX. Only ops outside ``aten`` are taken:
-    for ATen ops torchlib's translation stays the one the plan was checked against.
+    for ATen ops torchlib's translation stays the one the plan was checked against. The
+    model may hold the transformers model inside a wrapper (the generation export's).
     """
-    if not type(model).__module__.startswith("transformers."):
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
         return {}
     try:
         from transformers.exporters.exporter_onnx import (
