@@ -220,15 +220,17 @@ def cmd_export(args) -> int:
 
 
 def _dynamic_shapes(specs: list[str], args: tuple, kwargs: dict):
-    """'0:batch' / '1:seq' (axis:name) applied to every tensor input, e.g. --dynamic 0:batch."""
+    """'0:batch' / '1:seq' / '1:seq:4094' (axis:name[:max]) applied to every tensor input,
+    e.g. --dynamic 0:batch; the max for a model that bounds the dimension (its positions)."""
     from torch.export import Dim
 
     axes = {}
     for spec in specs:
-        axis, _, name = spec.partition(":")
-        if not axis.isdigit() or not name.isidentifier():
-            raise CliError(f"--dynamic {spec!r}: write AXIS:NAME, e.g. 0:batch or 1:seq")
-        axes[int(axis)] = Dim(name)
+        parts = spec.split(":")
+        axis, name, most = (parts + [""])[:3] if len(parts) in (2, 3) else ("", "", "")
+        if not axis.isdigit() or not name.isidentifier() or (len(parts) == 3 and not most.isdigit()):
+            raise CliError(f"--dynamic {spec!r}: write AXIS:NAME or AXIS:NAME:MAX, e.g. 0:batch or 1:seq:4096")
+        axes[int(axis)] = Dim(name, max=int(most)) if most else Dim(name)
 
     def one(t):
         return {a: d for a, d in axes.items() if a < t.dim()} if hasattr(t, "dim") else None
@@ -371,7 +373,10 @@ def _add_export(sub) -> None:
         "Runtime on a CPU with native BF16 (settings written beside the file)",
     )
     p.add_argument(
-        "--dynamic", action="append", metavar="AXIS:NAME", help="dynamic axis of every input, e.g. 0:batch (repeatable)"
+        "--dynamic",
+        action="append",
+        metavar="AXIS:NAME[:MAX]",
+        help="dynamic axis of every input, e.g. 0:batch or 1:seq:4096 (at most 4096; repeatable)",
     )
     p.add_argument(
         "--task",

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import ConvNet, TinyLM, tiny_gpt2, tiny_llama
+from helpers import ConvNet, TinyLM, cli_here, tiny_gpt2, tiny_llama
 
 from amp_compiler import ExportError, export_onnx
 from amp_compiler.onnx_export import emulate_low
@@ -241,6 +241,41 @@ def test_export_of_a_value_dependent_branch_says_where_and_what_to_do(tmp_path):
     with pytest.raises(ExportError, match=r"branches on a tensor's value at .*test_onnx_export.py:\d+.*torch.cond"):
         export_onnx(Branchy(), (torch.randn(2, 8),), str(tmp_path / "b.onnx"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dimension_the_model_bounds_is_named_with_the_range_to_give(tmp_path, capsys):
+    """A position table of 16 bounds the sequence: the error carries torch's reason and its
+    suggested Dim (below the first line, which says only "Constraints violated"), and how to
+    give the range; given it, in Python or as --dynamic AXIS:NAME:MAX, the export is written
+    with the sequence dynamic and serves a length it did not trace."""
+    import importlib.util
+
+    from torch.export import Dim
+
+    models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
+    spec = importlib.util.spec_from_file_location("fixture_models", models)
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    model, args = fixtures.positional()
+    with pytest.raises(ExportError, match=r"bounds a dimension.*<= 16.*torch suggests seq = Dim\('seq', max=16\)"):
+        export_onnx(
+            model, args, str(tmp_path / "p.onnx"), dtype="fp32", target="cpu", dynamic_shapes=({1: Dim("seq")},)
+        )
+    assert list(tmp_path.iterdir()) == []
+    out = str(tmp_path / "p.onnx")
+    code, _, err = cli_here(capsys, "export", f"{models}:positional", "-o", out, "--dtype", "fp32", "--target", "cpu",
+                            "--dynamic", "1:seq:16")  # fmt: skip
+    assert code == 0, err
+    assert [d.dim_param for d in onnx.load(out).graph.input[0].type.tensor_type.shape.dim] == ["", "seq"]
+    x = torch.randint(0, 50, (2, 13))
+    session = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]), model(x)
+        )
+    for bad in ("1:seq:many", "1:seq:16:2", "seq"):
+        code, _, err = cli_here(capsys, "export", f"{models}:positional", "-o", out, "--dynamic", bad)
+        assert code != 0 and "write AXIS:NAME or AXIS:NAME:MAX" in err
 
 
 class Sampling(torch.nn.Module):

@@ -83,6 +83,8 @@ def _export_hint(error: Exception) -> str:
     message = str(error)
     if "Cache" in message:
         return " (a KV cache in the outputs: pass use_cache=False in kwargs)"
+    if "Constraints violated" in message:
+        return _range_hint(message)
     if "data-dependent" in message:
         # the model's own line: the last frame outside torch and this package
         skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
@@ -94,6 +96,23 @@ def _export_hint(error: Exception) -> str:
             "branch independent of the values or write it with torch.cond)"
         )
     return ""
+
+
+def _range_hint(message: str) -> str:
+    """A dynamic dimension the model bounds (a position table, a window): torch's own reason
+    and suggested Dim, which its first line leaves out, and how to give the range."""
+    lines = [line.strip() for line in message.splitlines()]
+    why = next((line.removeprefix("- ") for line in lines if line.startswith("- Not all values")), None)
+    fixes = []
+    if "Suggested fixes:" in lines:
+        fixes = [line for line in lines[lines.index("Suggested fixes:") + 1 :] if "Dim(" in line]
+    said = f": {why}" if why else ""
+    suggested = f"; torch suggests {', '.join(fixes)}" if fixes else ""
+    return (
+        f" (the model bounds a dimension you made dynamic{said}{suggested}; give that Dim the "
+        "range the model supports, Dim(name, max=...), or on the command line "
+        "--dynamic AXIS:NAME:MAX)"
+    )
 
 
 def _lifted_tensors(ep) -> dict[str, torch.Tensor]:
