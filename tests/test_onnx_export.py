@@ -257,7 +257,7 @@ def test_a_dimension_the_model_bounds_is_named_with_the_range_to_give(tmp_path, 
     fixtures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fixtures)
     model, args = fixtures.positional()
-    with pytest.raises(ExportError, match=r"bounds a dimension.*<= 16.*torch suggests seq = Dim\('seq', max=16\)"):
+    with pytest.raises(ExportError, match=r"constrains a dimension.*<= 16.*torch suggests seq = Dim\('seq', max=16\)"):
         export_onnx(
             model, args, str(tmp_path / "p.onnx"), dtype="fp32", target="cpu", dynamic_shapes=({1: Dim("seq")},)
         )

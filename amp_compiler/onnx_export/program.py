@@ -102,16 +102,17 @@ def _range_hint(message: str) -> str:
     """A dynamic dimension the model bounds (a position table, a window): torch's own reason
     and suggested Dim, which its first line leaves out, and how to give the range."""
     lines = [line.strip() for line in message.splitlines()]
-    why = next((line.removeprefix("- ") for line in lines if line.startswith("- Not all values")), None)
+    why = next((line.removeprefix("- ") for line in lines if line.startswith("- ")), None)
     fixes = []
     if "Suggested fixes:" in lines:
-        fixes = [line for line in lines[lines.index("Suggested fixes:") + 1 :] if "Dim(" in line]
+        after = lines[lines.index("Suggested fixes:") + 1 :]
+        fixes = after[: after.index("")] if "" in after else after  # up to torch's next paragraph
     said = f": {why}" if why else ""
     suggested = f"; torch suggests {', '.join(fixes)}" if fixes else ""
     return (
-        f" (the model bounds a dimension you made dynamic{said}{suggested}; give that Dim the "
-        "range the model supports, Dim(name, max=...), or on the command line "
-        "--dynamic AXIS:NAME:MAX)"
+        f" (the model constrains a dimension you made dynamic{said}{suggested}; give that Dim "
+        "the range the model supports, Dim(name, max=...), or on the command line "
+        "--dynamic AXIS:NAME:MAX; a dimension it fixes cannot be dynamic)"
     )
 
 
