@@ -248,15 +248,12 @@ def test_a_dimension_the_model_bounds_is_named_with_the_range_to_give(tmp_path, 
     suggested Dim (below the first line, which says only "Constraints violated"), and how to
     give the range; given it, in Python or as --dynamic AXIS:NAME:MAX, the export is written
     with the sequence dynamic and serves a length it did not trace."""
-    import importlib.util
-
     from torch.export import Dim
 
+    from amp_compiler.model_spec import load_factory
+
     models = os.path.join(os.path.dirname(__file__), "fixtures", "models.py")
-    spec = importlib.util.spec_from_file_location("fixture_models", models)
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    model, args = fixtures.positional()
+    model, args = load_factory(f"{models}:positional")()  # as the CLI below loads it
     with pytest.raises(ExportError, match=r"constrains a dimension.*<= 16.*torch suggests seq = Dim\('seq', max=16\)"):
         export_onnx(
             model, args, str(tmp_path / "p.onnx"), dtype="fp32", target="cpu", dynamic_shapes=({1: Dim("seq")},)
