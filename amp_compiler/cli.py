@@ -226,9 +226,9 @@ def _dynamic_shapes(specs: list[str], args: tuple, kwargs: dict):
 
     axes = {}
     for spec in specs:
-        parts = spec.split(":")
-        axis, name, most = (parts + [""])[:3] if len(parts) in (2, 3) else ("", "", "")
-        if not axis.isdigit() or not name.isidentifier() or (len(parts) == 3 and not most.isdigit()):
+        axis, _, rest = spec.partition(":")
+        name, bounded, most = rest.partition(":")
+        if not axis.isdigit() or not name.isidentifier() or (bounded and not most.isdigit()):
             raise CliError(f"--dynamic {spec!r}: write AXIS:NAME or AXIS:NAME:MAX, e.g. 0:batch or 1:seq:4096")
         axes[int(axis)] = Dim(name, max=int(most)) if most else Dim(name)
 
